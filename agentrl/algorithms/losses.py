@@ -1,0 +1,288 @@
+"""Policy, value and entropy terms, and their reduction to a scalar.
+
+Shape suffixes: ``_B`` batch (sequences), ``_T`` tokens (time), ``_V`` vocab. Per-token tensors
+are ``[B, T]``; ``mask_BT`` is 1.0 on the action tokens that carry loss.
+
+The per-token surrogates (:func:`policy_loss`, :func:`value_loss`) are kept apart from the
+reduction (:func:`aggregate_loss`), so any surrogate can be combined with any normaliser and
+with per-token weights such as :func:`agentrl.algorithms.corrections.mismatch_weights`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from agentrl.algorithms._common import lookup, masked_mean, register
+
+PolicyLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+"""Called with keywords ``logp_BT, old_logp_BT, advantages_BT, mask_BT`` and optionally
+``clip_low, clip_high, dual_clip``; returns ``(loss_BT, metrics)`` with ``loss_BT`` 0 off-mask."""
+
+LOG_RATIO_CLAMP = 20.0
+
+
+def _check_clip(clip_low: float, clip_high: float, dual_clip: float | None) -> None:
+    if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
+        raise ValueError(
+            f"Clip range needs 0 <= clip_low < 1 and clip_high >= 0; got clip_low={clip_low}, "
+            f"clip_high={clip_high}."
+        )
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (Ye et al. 2020 use 3); got {dual_clip}.")
+
+
+def _clipped_surrogate(
+    log_ratio_BT: Tensor,
+    advantages_BT: Tensor,
+    mask_BT: Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)``, dual-clipped for ``A < 0``; 0 off-mask."""
+    ratio_BT = torch.exp(log_ratio_BT.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    surr1_BT = ratio_BT * advantages_BT
+    surr2_BT = ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages_BT
+    loss_BT = -torch.min(surr1_BT, surr2_BT)
+    metrics = {"clip_ratio": masked_mean((surr2_BT < surr1_BT).float(), mask_BT).detach()}
+    if dual_clip is not None:
+        # Dual-clip PPO (Ye et al. 2020, arXiv:1912.09729): -max(min(s1, s2), c*A) for A < 0.
+        bound_BT = -dual_clip * advantages_BT
+        dual_BT = (advantages_BT < 0) & (loss_BT > bound_BT)
+        loss_BT = torch.where(dual_BT, bound_BT, loss_BT)
+        metrics["dual_clip_ratio"] = masked_mean(dual_BT.float(), mask_BT).detach()
+    loss_BT = torch.where(mask_BT != 0, loss_BT, torch.zeros_like(loss_BT))
+    return loss_BT, metrics
+
+
+def ppo_loss(
+    *,
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    advantages_BT: Tensor,
+    mask_BT: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate per token (Schulman et al. 2017, arXiv:1707.06347).
+
+    ``rho_t = exp(clamp(logp_t - old_t, -20, 20))``,
+    ``loss_t = -min(rho_t A_t, clamp(rho_t, 1 - clip_low, 1 + clip_high) A_t)``; clip_high >
+    clip_low is DAPO's clip-higher (Yu et al. 2025, arXiv:2503.14476). With ``dual_clip = c > 1``
+    and ``A_t < 0``: ``loss_t = -max(min(...), c A_t)``. All inputs ``[B, T]``; returns the
+    un-reduced ``loss_BT`` (0 off-mask) and detached metrics ``clip_ratio`` (share of action
+    tokens where the clipped term is the smaller) and ``approx_kl`` (masked mean of old - logp).
+    """
+    _check_clip(clip_low, clip_high, dual_clip)
+    loss_BT, metrics = _clipped_surrogate(
+        logp_BT - old_logp_BT, advantages_BT, mask_BT, clip_low, clip_high, dual_clip
+    )
+    metrics["approx_kl"] = masked_mean(old_logp_BT - logp_BT, mask_BT).detach()
+    return loss_BT, metrics
+
+
+def gspo_loss(
+    *,
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    advantages_BT: Tensor,
+    mask_BT: Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO: the PPO surrogate on the sequence ratio (Zheng et al. 2025, arXiv:2507.18071).
+
+    ``s_i = exp(sum_t mask (logp - old) / sum_t mask)`` (geometric mean of token ratios).
+    Implemented as GSPO-token (paper eq. 13): ``s_it = sg[s_i] * pi_t / sg[pi_t]``, which has
+    the value ``s_i`` on every token, and, with one advantage per sequence and a per-sequence
+    token-mean (``aggregate_loss(..., "seq-mean-token-mean")``, the paper's reduction), exactly
+    the gradient of the sequence-level objective. Clip defaults 3e-4 / 4e-4 as in the paper.
+    Shapes and metrics as :func:`ppo_loss`.
+    """
+    _check_clip(clip_low, clip_high, dual_clip)
+    seq_log_ratio_B = masked_mean(logp_BT - old_logp_BT, mask_BT, dim=-1)
+    log_ratio_BT = logp_BT - logp_BT.detach() + seq_log_ratio_B.detach()[:, None]
+    loss_BT, metrics = _clipped_surrogate(
+        log_ratio_BT, advantages_BT, mask_BT, clip_low, clip_high, dual_clip
+    )
+    metrics["approx_kl"] = masked_mean(old_logp_BT - logp_BT, mask_BT).detach()
+    return loss_BT, metrics
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {"ppo": ppo_loss, "gspo": gspo_loss}
+
+
+def register_policy_loss(name: str, fn: PolicyLoss, *, overwrite: bool = False) -> None:
+    """Make ``fn`` (see :data:`PolicyLoss`) available as ``policy_loss(name, ...)``."""
+    register(POLICY_LOSSES, name, fn, "policy loss", overwrite)
+
+
+def policy_loss(
+    name: str,
+    *,
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    advantages_BT: Tensor,
+    mask_BT: Tensor,
+    clip_low: float | None = None,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token policy surrogate ``loss_BT`` (not reduced) and detached metrics.
+
+    ``clip_low`` / ``clip_high`` left ``None`` take the loss's own defaults (0.2 / 0.2 for
+    ``ppo``, 3e-4 / 4e-4 for ``gspo``). Reduce with :func:`aggregate_loss`.
+    """
+    fn = lookup(POLICY_LOSSES, name, "policy loss")
+    for other_name, other in (("old_logp_BT", old_logp_BT), ("advantages_BT", advantages_BT),
+                              ("mask_BT", mask_BT)):
+        if other.shape != logp_BT.shape:
+            raise ValueError(
+                f"{other_name} must have the shape of logp_BT {tuple(logp_BT.shape)}; "
+                f"got {tuple(other.shape)}."
+            )
+    clips = {"clip_low": clip_low, "clip_high": clip_high, "dual_clip": dual_clip}
+    return fn(
+        logp_BT=logp_BT, old_logp_BT=old_logp_BT, advantages_BT=advantages_BT, mask_BT=mask_BT,
+        **{key: value for key, value in clips.items() if value is not None},
+    )
+
+
+def _sum_tokens(loss_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    return torch.where(mask_BT != 0, loss_BT * mask_BT, torch.zeros_like(loss_BT)).sum(-1)
+
+
+def _token_mean(loss_BT: Tensor, mask_BT: Tensor, num_tokens: Tensor | float,
+                num_seqs: Tensor | float, constant: float | None) -> Tensor:
+    return _sum_tokens(loss_BT, mask_BT).sum() / num_tokens
+
+
+def _seq_mean_token_mean(loss_BT: Tensor, mask_BT: Tensor, num_tokens: Tensor | float,
+                         num_seqs: Tensor | float, constant: float | None) -> Tensor:
+    per_seq_B = _sum_tokens(loss_BT, mask_BT) / mask_BT.sum(-1).clamp_min(1e-8)
+    return per_seq_B.sum() / num_seqs
+
+
+def _seq_mean_token_sum(loss_BT: Tensor, mask_BT: Tensor, num_tokens: Tensor | float,
+                        num_seqs: Tensor | float, constant: float | None) -> Tensor:
+    return _sum_tokens(loss_BT, mask_BT).sum() / num_seqs
+
+
+def _constant(loss_BT: Tensor, mask_BT: Tensor, num_tokens: Tensor | float,
+              num_seqs: Tensor | float, constant: float | None) -> Tensor:
+    if constant is None or constant <= 0:
+        raise ValueError(
+            f"Loss aggregation 'constant' needs constant > 0 (Dr. GRPO uses the maximum number "
+            f"of new tokens); got constant={constant}."
+        )
+    return _sum_tokens(loss_BT, mask_BT).sum() / (constant * num_seqs)
+
+
+LOSS_AGGREGATIONS: dict[str, Callable[..., Tensor]] = {
+    "token-mean": _token_mean,
+    "seq-mean-token-mean": _seq_mean_token_mean,
+    "seq-mean-token-sum": _seq_mean_token_sum,
+    "constant": _constant,
+}
+
+
+def aggregate_loss(
+    loss_BT: Tensor,
+    mask_BT: Tensor,
+    mode: str,
+    *,
+    num_tokens: Tensor | float | None = None,
+    num_seqs: Tensor | float | None = None,
+    constant: float | None = None,
+) -> Tensor:
+    """Reduce a per-token loss ``[B, T]`` over ``mask_BT`` to a scalar.
+
+    - ``token-mean``: ``sum_{i,t} m l / N_tokens`` (OpenRLHF, DAPO);
+    - ``seq-mean-token-mean``: ``sum_i (sum_t m l / sum_t m) / N_seqs`` (GRPO paper, GSPO);
+    - ``seq-mean-token-sum``: ``sum_{i,t} m l / N_seqs``;
+    - ``constant``: ``sum_{i,t} m l / (constant * N_seqs)`` (Dr. GRPO, Liu et al. 2025,
+      arXiv:2503.20783, with constant = max new tokens).
+
+    ``num_tokens`` (action tokens) and ``num_seqs`` (sequences with at least one action token)
+    must be the global counts of the whole optimizer step, summed over micro-batches and
+    data-parallel ranks: then summing the micro-batch losses gives the same gradient however
+    the batch is split. They default to the local counts of this call.
+    """
+    fn = lookup(LOSS_AGGREGATIONS, mode, "loss aggregation mode")
+    if loss_BT.shape != mask_BT.shape:
+        raise ValueError(
+            f"loss_BT {tuple(loss_BT.shape)} and mask_BT {tuple(mask_BT.shape)} must match."
+        )
+    if constant is not None and mode != "constant":
+        warnings.warn(f"constant={constant} is ignored by loss aggregation {mode!r}.",
+                      stacklevel=2)
+    if num_tokens is None:
+        num_tokens = mask_BT.sum().clamp_min(1.0)
+    if num_seqs is None:
+        num_seqs = (mask_BT.sum(-1) > 0).sum().clamp_min(1).to(loss_BT.dtype)
+    return fn(loss_BT, mask_BT, num_tokens, num_seqs, constant)
+
+
+def value_loss(
+    values_BT: Tensor,
+    old_values_BT: Tensor,
+    returns_BT: Tensor,
+    mask_BT: Tensor,
+    clip: float | None = 0.5,
+) -> Tensor:
+    """Clipped value loss per token (OpenRLHF ``ValueLoss``; PPO2 baselines).
+
+    ``V_clip = V_old + clamp(V - V_old, -clip, clip)``,
+    ``loss_t = 0.5 * max((V_clip - R)^2, (V - R)^2)``; ``clip=None`` gives ``0.5 (V - R)^2``.
+    Shapes ``[B, T]``; returns ``loss_BT`` (0 off-mask), to be reduced by :func:`aggregate_loss`.
+    """
+    unclipped_BT = (values_BT - returns_BT) ** 2
+    if clip is None:
+        loss_BT = 0.5 * unclipped_BT
+    else:
+        clipped_BT = old_values_BT + (values_BT - old_values_BT).clamp(-clip, clip)
+        loss_BT = 0.5 * torch.max((clipped_BT - returns_BT) ** 2, unclipped_BT)
+    return torch.where(mask_BT != 0, loss_BT, torch.zeros_like(loss_BT))
+
+
+def _check_temperature(temperature: float) -> None:
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0; got {temperature}.")
+
+
+def logprobs_from_logits(
+    logits_BTV: Tensor, labels_BT: Tensor, temperature: float = 1.0
+) -> Tensor:
+    """``log softmax(logits / temperature)[label]`` per token: ``[B, T, V], [B, T] -> [B, T]``.
+
+    Computed one sequence at a time in float32, so the extra memory is one ``[T, V]`` slice
+    rather than a second ``[B, T, V]`` tensor (the logits themselves may be bf16).
+    """
+    _check_temperature(temperature)
+    rows = []
+    for logits_TV, labels_T in zip(logits_BTV, labels_BT, strict=True):
+        logp_TV = torch.log_softmax(logits_TV.float() / temperature, dim=-1)
+        rows.append(logp_TV.gather(-1, labels_T.long().unsqueeze(-1)).squeeze(-1))
+    return torch.stack(rows) if rows else logits_BTV.new_zeros(labels_BT.shape, dtype=torch.float)
+
+
+def entropy_from_logits(logits_BTV: Tensor, *, temperature: float = 1.0) -> Tensor:
+    """Entropy of ``softmax(logits / temperature)`` per token: ``[B, T, V] -> [B, T]``.
+
+    ``H = logsumexp(z) - sum_v softmax(z)_v z_v``; use the same temperature as the log-probs.
+    One sequence at a time in float32, like :func:`logprobs_from_logits`.
+    """
+    _check_temperature(temperature)
+    rows = []
+    for logits_TV in logits_BTV:
+        z_TV = logits_TV.float() / temperature
+        probs_TV = torch.softmax(z_TV, dim=-1)
+        rows.append(torch.logsumexp(z_TV, dim=-1) - (probs_TV * z_TV).sum(-1))
+    return torch.stack(rows) if rows else logits_BTV.new_zeros(logits_BTV.shape[:2],
+                                                               dtype=torch.float)

@@ -1,0 +1,66 @@
+"""The Engine protocol: what every sampler backend offers to rollouts, the proxy and eval."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from agentrl.types import Completion, SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+NamedTensors = Mapping[str, "torch.Tensor"] | Iterable[tuple[str, "torch.Tensor"]]
+
+
+class PromptTooLongError(ValueError):
+    """The prompt (plus at least one new token) does not fit in the model's context."""
+
+    def __init__(self, prompt_len: int, max_context: int) -> None:
+        self.prompt_len = prompt_len
+        self.max_context = max_context
+        super().__init__(
+            f"prompt has {prompt_len} tokens but the model's context is {max_context}; "
+            f"shorten the prompt (or the conversation) to at most {max_context - 1} tokens"
+        )
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A policy that samples tokens.
+
+    `generate` is async so that many episodes can await it concurrently while the backend
+    batches their requests. Cancelling the awaiting task aborts the request and frees its slot.
+    """
+
+    @property
+    def version(self) -> int:
+        """Version of the weights in use; every Completion carries the version it came from."""
+        ...
+
+    @property
+    def max_context(self) -> int:
+        """Most tokens (prompt + completion) a sequence may hold."""
+        ...
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        images: Sequence[np.ndarray] | None = None,
+    ) -> list[Completion]:
+        """Sample `params.n` completions of `prompt_ids`."""
+        ...
+
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        """Load new parameters (a state dict or an iterator of (name, tensor)) as `version`."""
+        ...
+
+    def sleep(self) -> None:
+        """Free memory held for generation (KV cache, weights copy) while training runs."""
+        ...
+
+    def wake(self) -> None:
+        """Restore what `sleep` freed."""
+        ...

@@ -1,0 +1,194 @@
+"""`ChatEnv`: what most authors write (messages in, assistant text out), and `ChatTokenEnv`,
+the bridge that serves it as a token-level `TokenEnv` for a given tokenizer.
+
+    class Echo(agentrl.ChatEnv):
+        def reset(self, *, seed=None, options=None):
+            return [{"role": "user", "content": "Say hi"}]
+        def step(self, text):
+            return [], float("hi" in text.lower()), True, False, {}
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from agentrl.envs.base import Obs, TokenEnv, make_obs, validate_action
+from agentrl.envs.template import ChatTemplateBridge, Message, TemplateError
+
+StepResult = tuple[list[Message], float, bool, bool, dict[str, Any]]
+
+
+class ChatEnv:
+    """Text-level environment. Subclass and implement `reset` and `step`.
+
+    - `reset(seed=, options=)` returns the opening messages (or `(messages, info)`).
+    - `step(assistant_text)` returns `(new_messages, reward, terminated, truncated, info)`;
+      `new_messages` are what the policy sees next (user / tool messages).
+    - `self.np_random` is a seeded `numpy.random.Generator`, set before each `reset`.
+    - `tools` (OpenAI function schemas) are rendered through the chat template.
+    """
+
+    tools: list[dict] | None = None
+    np_random: np.random.Generator
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> list[Message] | tuple[list[Message], dict[str, Any]]:
+        raise NotImplementedError
+
+    def step(self, assistant_text: str) -> StepResult:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release resources (sandboxes, files). Called when the token env closes."""
+
+
+class ChatTokenEnv(TokenEnv):
+    """Serves a `ChatEnv` at token level for one tokenizer.
+
+    The prompt and every observation are rendered incrementally with the tokenizer's chat
+    template; the policy's sampled tokens are appended exactly as sampled. After each step the
+    running sequence is compared with a full re-render (`check_drift`): differences are
+    reported in `info["drift"]` and counted in `info["drift_events"]`, never raised.
+    """
+
+    def __init__(
+        self,
+        chat_env: ChatEnv,
+        tokenizer: Any = None,
+        *,
+        max_turns: int | None = None,
+        max_episode_tokens: int | None = None,
+        check_drift: bool = True,
+    ) -> None:
+        from agentrl.models import resolve_tokenizer
+
+        if not isinstance(chat_env, ChatEnv):
+            raise TypeError(f"ChatTokenEnv wraps a ChatEnv, got {type(chat_env).__name__}")
+        if max_turns is not None and max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1 or None, got {max_turns}")
+        self.chat_env = chat_env
+        self.tokenizer = resolve_tokenizer(tokenizer)
+        self.bridge = ChatTemplateBridge(self.tokenizer, getattr(chat_env, "tools", None))
+        self.max_turns = max_turns
+        self.max_episode_tokens = max_episode_tokens
+        self.check = check_drift
+        self._init_spaces(len(self.tokenizer))
+        self._messages: list[Message] = []
+        self._tokens: list[int] = []
+        self._turn = 0
+        self._drift_events = 0
+        self._done = True
+
+    @property
+    def messages(self) -> list[Message]:
+        """The conversation so far, as text messages."""
+        return list(self._messages)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The running token sequence (prompt, actions and observations)."""
+        return list(self._tokens)
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Obs, dict[str, Any]]:
+        super(TokenEnv, self).reset(seed=seed)
+        self.chat_env.np_random = self.np_random
+        out = self.chat_env.reset(seed=seed, options=options)
+        messages, info = out if isinstance(out, tuple) else (out, {})
+        if not messages:
+            raise ValueError(f"{type(self.chat_env).__name__}.reset returned no messages")
+        self._messages = [dict(m) for m in messages]
+        self._tokens = self.bridge.prompt_ids(self._messages)
+        self._turn, self._drift_events, self._done = 0, 0, False
+        info = {**info, "turn": 0, "drift_events": 0}
+        return make_obs(self._tokens, _images(self._messages)), info
+
+    def step(self, action: Any) -> tuple[Obs, float, bool, bool, dict[str, Any]]:
+        if self._done:
+            raise RuntimeError("step() called on a finished episode; call reset() first")
+        ids = validate_action(action, self.vocab_size).tolist()
+        text, _closed = self.bridge.split_action(ids)
+        new, reward, terminated, truncated, info = self._chat_step(text)
+        self._tokens.extend(ids)
+        self._messages.append({"role": "assistant", "content": text})
+        self._turn += 1
+        info = dict(info)
+        obs_ids: list[int] = []
+        images: tuple[np.ndarray, ...] = ()
+        if not (terminated or truncated):
+            truncated, obs_ids, images = self._next_observation(ids, new, info)
+        if not (terminated or truncated):
+            self._messages.extend(dict(m) for m in new)
+            self._tokens.extend(obs_ids)
+        elif new:
+            info["final_messages"] = list(new)
+        self._done = terminated or truncated
+        if self.check:
+            self._record_drift(info)
+        info.update(turn=self._turn, drift_events=self._drift_events)
+        return make_obs(obs_ids, images), reward, terminated, truncated, info
+
+    def _chat_step(self, text: str) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
+        name = type(self.chat_env).__name__
+        out = self.chat_env.step(text)
+        if not (isinstance(out, tuple) and len(out) == 5):
+            raise TypeError(
+                f"{name}.step must return (new_messages, reward, terminated, truncated, info), "
+                f"got {type(out).__name__}"
+            )
+        new, reward, terminated, truncated, info = out
+        if isinstance(reward, bool) or not isinstance(reward, int | float | np.number):
+            raise TypeError(f"{name}.step returned reward {reward!r}; expected a float")
+        if not math.isfinite(float(reward)):
+            raise ValueError(f"{name}.step returned a non-finite reward {reward!r}")
+        return list(new or []), float(reward), bool(terminated), bool(truncated), dict(info or {})
+
+    def _next_observation(
+        self, ids: list[int], new: Sequence[Message], info: dict[str, Any]
+    ) -> tuple[bool, list[int], tuple[np.ndarray, ...]]:
+        """Render the next observation; returns (truncated, obs ids, images)."""
+        if self.max_turns is not None and self._turn >= self.max_turns:
+            info["truncated_by"] = "max_turns"
+            return True, [], ()
+        try:
+            obs_ids = self.bridge.observation_ids(ids, new)
+        except TemplateError as e:
+            # Never crash the episode: end it as truncated and say why.
+            info["template_error"] = str(e)
+            return True, [], ()
+        if self.max_episode_tokens is not None and (
+            len(self._tokens) + len(obs_ids) >= self.max_episode_tokens
+        ):
+            info["truncated_by"] = "max_episode_tokens"
+            return True, [], ()
+        return False, obs_ids, _images(new)
+
+    def _record_drift(self, info: dict[str, Any]) -> None:
+        report = self.bridge.check_drift(
+            self._messages, self._tokens, turn=self._turn, open_turn=not self._done
+        )
+        if report is not None:
+            self._drift_events += 1
+            info["drift"] = report.as_dict()
+
+    def close(self) -> None:
+        self.chat_env.close()
+        super().close()
+
+
+def _images(messages: Sequence[Message]) -> tuple[np.ndarray, ...]:
+    """Images carried in list-of-parts content: {"type": "image", "image": uint8 HxWx3}."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "image" and "image" in part:
+                    out.append(np.asarray(part["image"], dtype=np.uint8))
+    return tuple(out)

@@ -1,0 +1,162 @@
+"""Registration: `agentrl.register` wraps `gymnasium.register` and knows about chat envs.
+
+Every id is `<namespace>/<Name>-v<N>` (built-ins use `agentrl/`). The entry point may be a
+`TokenEnv` class, a `ChatEnv` class, any factory returning either, or a "module:attr" string
+(imported only when the env is made, so `import agentrl` stays light). Chat envs are wrapped
+in the token-level bridge for `tokenizer=` (an object, a model name, or the embedded default).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.metadata
+import inspect
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import gymnasium as gym
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "agentrl.environments"
+_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]+/[A-Z][A-Za-z0-9_]*-v\d+$")
+_BRIDGE_KWARGS = ("max_turns", "max_episode_tokens", "check_drift")
+
+
+@dataclass(frozen=True)
+class EnvInfo:
+    id: str
+    summary: str
+    aliases: tuple[str, ...]
+
+
+_ENVS: dict[str, EnvInfo] = {}
+_ALIASES: dict[str, str] = {}
+
+
+def register(
+    id: str,
+    entry_point: Callable[..., Any] | str,
+    *,
+    summary: str | None = None,
+    aliases: tuple[str, ...] = (),
+    **kwargs: Any,
+) -> None:
+    """Register an environment id with gymnasium (and agentrl's CLI names).
+
+    Args:
+        id: `<namespace>/<Name>-v<N>`, e.g. "agentrl/MathTIR-v0". Bump N when the reward,
+            observation or termination changes meaning.
+        entry_point: TokenEnv or ChatEnv class, factory, or "module:attr" string.
+        summary: one line for `agentrl envs` (defaults to the entry point's docstring).
+        aliases: short names for the CLI, e.g. ("math-tir",).
+        **kwargs: default constructor arguments (overridable in `gym.make`).
+    """
+    if not _ID_RE.match(id):
+        raise ValueError(
+            f"environment id {id!r} must look like '<namespace>/<Name>-v<N>', "
+            f"e.g. 'agentrl/{_suggest_name(id)}-v0'"
+        )
+    if summary is None and not isinstance(entry_point, str):
+        summary = (inspect.getdoc(entry_point) or "").strip().splitlines()[0:1]
+        summary = summary[0] if summary else ""
+    gym.register(id=id, entry_point=make_env, kwargs={"target": entry_point, **kwargs})
+    _ENVS[id] = EnvInfo(id=id, summary=summary or "", aliases=tuple(aliases))
+    for alias in aliases:
+        _ALIASES[alias] = id
+
+
+def make_env(target: Callable[..., Any] | str, tokenizer: Any = None, **kwargs: Any) -> gym.Env:
+    """Build the env behind a registered id (gymnasium calls this from `gym.make`)."""
+    from agentrl.envs.base import TokenEnv
+    from agentrl.envs.chat import ChatEnv, ChatTokenEnv
+
+    factory = _load(target) if isinstance(target, str) else target
+    bridge_kwargs = {k: kwargs.pop(k) for k in _BRIDGE_KWARGS if k in kwargs}
+    if _accepts(factory, "tokenizer") and not (
+        inspect.isclass(factory) and issubclass(factory, ChatEnv)
+    ):
+        kwargs["tokenizer"] = tokenizer
+    env = factory(**kwargs)
+    if isinstance(env, ChatEnv):
+        return ChatTokenEnv(env, tokenizer, **bridge_kwargs)
+    if bridge_kwargs:
+        raise TypeError(
+            f"{sorted(bridge_kwargs)} apply to chat environments only; "
+            f"{type(env).__name__} is a {type(env).__mro__[1].__name__}"
+        )
+    if not isinstance(env, TokenEnv | gym.Env):
+        raise TypeError(
+            f"entry point {target!r} returned {type(env).__name__}; expected a TokenEnv or ChatEnv"
+        )
+    return env
+
+
+def resolve_env_id(name: str) -> str:
+    """Map a CLI name ("math-tir") or a full id to a registered id, with a did-you-mean."""
+    load_plugins()
+    if name in _ALIASES:
+        return _ALIASES[name]
+    if name in gym.registry:
+        return name
+    candidates = [*_ALIASES, *(k for k in gym.registry if "/" in k)]
+    hint = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+    did_you_mean = f" Did you mean {hint[0]!r}?" if hint else ""
+    raise ValueError(
+        f"unknown environment {name!r}.{did_you_mean} Run `agentrl envs` to list them."
+    )
+
+
+def list_envs() -> list[EnvInfo]:
+    """Every environment registered through agentrl (built-ins and plugins)."""
+    load_plugins()
+    return sorted(_ENVS.values(), key=lambda e: e.id)
+
+
+_PLUGINS_LOADED = False
+
+
+def load_plugins() -> list[str]:
+    """Import the `agentrl.environments` entry points of installed packages (once).
+
+    An entry point may name a module (importing it registers its envs) or a callable (called
+    with no arguments). A broken plugin logs a warning and does not stop the others.
+    """
+    global _PLUGINS_LOADED
+    loaded: list[str] = []
+    if _PLUGINS_LOADED:
+        return loaded
+    _PLUGINS_LOADED = True
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            obj = ep.load()
+            if callable(obj) and not inspect.isclass(obj) and not inspect.ismodule(obj):
+                obj()
+            loaded.append(ep.name)
+        except Exception as e:  # a third-party plugin must not break agentrl
+            logger.warning("agentrl env plugin %r (%s) failed to load: %s", ep.name, ep.value, e)
+    return loaded
+
+
+def _load(spec: str) -> Callable[..., Any]:
+    module, _, attr = spec.partition(":")
+    if not attr:
+        raise ValueError(f"entry point {spec!r} must look like 'package.module:Attr'")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _accepts(fn: Callable[..., Any], name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _suggest_name(id: str) -> str:
+    base = re.sub(r"-v\d+$", "", id.split("/")[-1])
+    return "".join(w[:1].upper() + w[1:] for w in re.split(r"[^A-Za-z0-9]+", base) if w) or "MyEnv"

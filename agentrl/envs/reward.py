@@ -1,0 +1,178 @@
+"""Single-turn RL as an environment: `RewardEnv` shows a prompt, scores one response, ends.
+
+    env = RewardEnv(dataset=[{"prompt": "2+2?", "label": "4"}],
+                    reward_fn=lambda prompt, response, label: float(label in response))
+
+OpenRLHF-style reward files (`reward_func(queries, prompts, labels)`) load with
+`load_reward_func(path)`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agentrl.envs.chat import ChatEnv, StepResult
+from agentrl.envs.template import Message
+
+RewardFn = Callable[[str, str, Any], "float | dict[str, Any]"]
+
+
+class RewardFunctionError(ValueError):
+    """A reward function raised or returned something that is not a number."""
+
+
+class RewardEnv(ChatEnv):
+    """One-step environment over a prompt dataset and a reward function.
+
+    Args:
+        dataset: rows (mappings) or a .jsonl path; each row has `prompt_key` (a string, or a
+            list of chat messages) and optionally `label_key`.
+        reward_fn: `reward_fn(prompt, response, label) -> float | {"reward": float, ...}`;
+            extra dict keys go to `info`.
+        system_prompt: prepended as a system message when the prompt is a string.
+    """
+
+    def __init__(
+        self,
+        dataset: Sequence[Mapping[str, Any]] | str | Path,
+        reward_fn: RewardFn,
+        *,
+        prompt_key: str = "prompt",
+        label_key: str = "label",
+        system_prompt: str | None = None,
+    ) -> None:
+        self.rows = load_rows(dataset) if isinstance(dataset, str | Path) else list(dataset)
+        if not self.rows:
+            raise ValueError("RewardEnv needs a non-empty dataset")
+        for i, row in enumerate(self.rows):
+            if prompt_key not in row:
+                raise ValueError(
+                    f"dataset row {i} has no {prompt_key!r} key (keys: {sorted(row)}); pass "
+                    f"prompt_key= to name the prompt column"
+                )
+        if not callable(reward_fn):
+            raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
+        self.reward_fn = reward_fn
+        self.prompt_key, self.label_key = prompt_key, label_key
+        self.system_prompt = system_prompt
+        self.index = -1
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[list[Message], dict[str, Any]]:
+        options = options or {}
+        self.index = int(options.get("index", self.np_random.integers(len(self.rows))))
+        prompt = self.rows[self.index][self.prompt_key]
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+            if self.system_prompt:
+                messages.insert(0, {"role": "system", "content": self.system_prompt})
+        else:
+            messages = [dict(m) for m in prompt]
+        return messages, {"index": self.index}
+
+    def step(self, assistant_text: str) -> StepResult:
+        row = self.rows[self.index]
+        reward, extra = call_reward_fn(
+            self.reward_fn,
+            row[self.prompt_key],
+            assistant_text,
+            row.get(self.label_key),
+            sample=self.index,
+        )
+        return [], reward, True, False, {**extra, "index": self.index}
+
+
+def call_reward_fn(
+    fn: RewardFn, prompt: Any, response: str, label: Any, *, sample: int
+) -> tuple[float, dict[str, Any]]:
+    """Call a reward function and check what it returned; errors name the function and sample."""
+    name = getattr(fn, "__qualname__", repr(fn))
+    where = f"reward function {name!r} on sample {sample} (prompt {str(prompt)[:80]!r})"
+    try:
+        out = fn(prompt, response, label)
+    except Exception as e:
+        raise RewardFunctionError(f"{where} raised {type(e).__name__}: {e}") from e
+    extra: dict[str, Any] = {}
+    if isinstance(out, Mapping):
+        if "reward" not in out:
+            raise RewardFunctionError(
+                f"{where} returned a dict without a 'reward' key: {sorted(out)}"
+            )
+        extra = {k: v for k, v in out.items() if k != "reward"}
+        out = out["reward"]
+    if hasattr(out, "item") and getattr(out, "size", getattr(out, "numel", lambda: 1)) in (1,):
+        out = out.item()
+    if isinstance(out, bool) or not isinstance(out, int | float | np.number):
+        raise RewardFunctionError(
+            f"{where} returned {out!r} ({type(out).__name__}); expected a float or "
+            f"{{'reward': float, ...}}"
+        )
+    if not math.isfinite(float(out)):
+        raise RewardFunctionError(f"{where} returned a non-finite reward {out!r}")
+    return float(out), extra
+
+
+def load_reward_func(path: str | Path) -> RewardFn:
+    """Load an OpenRLHF-style reward file defining `reward_func(queries, prompts, labels)`.
+
+    It may return a list/tensor of rewards or a dict with a "rewards" entry; the adapter
+    returned here scores one sample at a time as `reward_fn(prompt, response, label)`, with
+    query = prompt + response as OpenRLHF passes it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"reward file {str(path)!r} does not exist")
+    spec = importlib.util.spec_from_file_location(f"agentrl_reward_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    func = getattr(module, "reward_func", None)
+    if not callable(func):
+        raise ValueError(f"{path} must define reward_func(queries, prompts, labels)")
+
+    def reward_fn(prompt: Any, response: str, label: Any) -> float | dict[str, Any]:
+        text = prompt if isinstance(prompt, str) else json.dumps(prompt)
+        out = func([text + response], [text], [label])
+        if isinstance(out, Mapping):
+            rewards = out.get("rewards", out.get("scores"))
+            extra = {k: _first(v) for k, v in out.items() if k not in ("rewards", "scores")}
+            return {"reward": _first(rewards), **extra}
+        return _first(out)
+
+    reward_fn.__qualname__ = f"{path.name}:reward_func"
+    return reward_fn
+
+
+def _first(x: Any) -> Any:
+    if hasattr(x, "tolist"):
+        x = x.tolist()
+    return x[0] if isinstance(x, list | tuple) else x
+
+
+def load_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Read a .jsonl or .json (list of objects) file of dataset rows."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"dataset file {str(path)!r} does not exist")
+    text = path.read_text()
+    if path.suffix == ".json":
+        rows = json.loads(text)
+    else:
+        rows = []
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: invalid JSON: {e}") from e
+    if not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{path}: every row must be a JSON object")
+    return rows

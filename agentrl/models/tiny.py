@@ -1,0 +1,124 @@
+"""Tiny models for tests: a byte-level BPE tokenizer trained in-process on a fixed corpus and a
+2-layer Llama built from a config. No file, no hub, deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+TINY_NAME = "tiny"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>"]
+
+# ChatML, as SmolLM2 and Qwen use it, plus Hermes-style tools and list-of-parts content, so the
+# tiny tokenizer exercises the same code paths as real chat models.
+CHATML_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "You may call functions. Tools: <tools>{{ tools | tojson }}</tools>\n"
+    'Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>\n'
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if not (tools and loop.first and message.role == 'system') %}"
+    "{% if message.role == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n"
+    "{% if message.content is string %}{{ message.content }}"
+    "{% elif message.content %}{% for part in message.content %}"
+    "{% if part.type == 'text' %}{{ part.text }}{% else %}<image>{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% for call in message.tool_calls or [] %}"
+    '<tool_call>{"name": "{{ call.function.name }}", "arguments": '
+    "{{ call.function.arguments if call.function.arguments is string "
+    "else call.function.arguments | tojson }}}</tool_call>"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "What is 2 + 3? The answer is 5. What is 7 * 6? The answer is 42.",
+    "Reverse the word: cat. tac. Guess a number between 1 and 100. Higher. Lower. Correct!",
+    "```python\nprint(1 + 2)\n```\nOutput: 3\nSo the answer is \\boxed{3}.",
+    "user assistant system tool You are a helpful assistant. Please answer the question.",
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 100 1000",
+    "hello world, hello there; the a an of to in is it that this with for on as",
+] * 4
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_json(vocab_size: int) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    return tok.to_str()
+
+
+def tiny_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerBase:
+    """A small byte-level BPE tokenizer with a ChatML chat template (`<|im_end|>` is eos).
+
+    Every string round-trips exactly (byte-level), so it can encode anything a test needs.
+    """
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab_size)),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token="<|im_start|>",
+        extra_special_tokens={"image_token": "<image>"},
+    )
+    tok.chat_template = CHATML_TEMPLATE
+    tok.name_or_path = TINY_NAME
+    return tok
+
+
+def tiny_model(
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    seed: int = 0,
+    max_position_embeddings: int = 2048,
+) -> PreTrainedModel:
+    """A randomly initialised 2-layer Llama sized for `tokenizer` (the tiny one by default).
+
+    The same seed gives the same weights in every process, so Ray actors and the driver agree.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = tokenizer or tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.eval()
+    return model

@@ -1,0 +1,120 @@
+"""Configuration, result type and error of the sandbox (stdlib only).
+
+Kept apart from the process machinery so the math-tir env (and its fakes in tests) can build
+configs and results without spawning anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+Status = Literal["ok", "error", "timeout", "oom", "output_limit", "killed", "sandbox_error"]
+STATUSES: tuple[str, ...] = ("ok", "error", "timeout", "oom", "output_limit", "killed",
+                             "sandbox_error")
+
+ALLOW_UNISOLATED_ENV = "AGENTRL_SANDBOX_ALLOW_UNISOLATED"
+
+
+class SandboxUnavailableError(RuntimeError):
+    """Isolation cannot be set up here; raised instead of silently running unisolated."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SandboxConfig:
+    """Limits for one execution (a one-shot run, or one call of a session)."""
+
+    timeout_s: float = 5.0
+    """Wall-clock seconds per run/call, start-up included; wall, not CPU, so `sleep` ends too."""
+    memory_mb: int = 512
+    """Memory cap: cgroup `memory.max` where writable, else the address-space rlimit."""
+    max_processes: int = 64
+    """Processes+threads per sandbox (RLIMIT_NPROC in the sandbox's user namespace, cgroup pids)."""
+    max_output_bytes: int = 65536
+    """Per stream (stdout, stderr) per run; more kills the run with status `output_limit`."""
+    max_file_mb: int = 16
+    """Largest file the code may write (RLIMIT_FSIZE)."""
+    cpu_time_s: float | None = None
+    """CPU seconds per run/call (RLIMIT_CPU); None: only the wall timeout bounds CPU."""
+    disk_mb: int = 64
+    """Size of each writable tmpfs (/tmp, the work dir, /dev/shm); charged to memory, not disk."""
+    cpu_cores: float | None = 1.0
+    """CPU quota in cores (cgroup cpu controller where writable) so spinning threads cannot
+    starve the trainer; None: no quota."""
+    max_open_files: int = 256
+    """RLIMIT_NOFILE, so fd exhaustion stays inside the sandbox."""
+    bwrap_path: str = "bwrap"
+    """bubblewrap executable (name on PATH or absolute path)."""
+    python_path: str = "/usr/bin/python3"
+    """Interpreter run inside the sandbox; must live under /usr (or under `extra_ro_paths`)."""
+    extra_ro_paths: tuple[str, ...] = ()
+    """Host paths bound read-only at the same place, e.g. a site-packages the code may import."""
+    sandbox_uid: int = 65534
+    """Unprivileged uid the sandbox runs as when the caller is root (nobody)."""
+    seccomp: bool = True
+    """Install the seccomp deny-list (x86_64 only; elsewhere this layer is skipped)."""
+
+    def __post_init__(self) -> None:
+        positive = {
+            "timeout_s": self.timeout_s, "memory_mb": self.memory_mb,
+            "max_processes": self.max_processes, "max_output_bytes": self.max_output_bytes,
+            "max_file_mb": self.max_file_mb, "disk_mb": self.disk_mb,
+            "max_open_files": self.max_open_files,
+        }
+        for name, value in positive.items():
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"SandboxConfig.{name} must be a positive finite number, "
+                                 f"got {value!r}")
+        for name in ("cpu_time_s", "cpu_cores"):
+            value = getattr(self, name)
+            if value is not None and (not math.isfinite(value) or value <= 0):
+                raise ValueError(f"SandboxConfig.{name} must be None or a positive number, "
+                                 f"got {value!r}")
+        if self.max_processes < 4:
+            raise ValueError(f"SandboxConfig.max_processes must be >= 4 (the interpreter and "
+                             f"the sandbox's init count), got {self.max_processes}")
+        if self.max_open_files < 16:
+            raise ValueError(f"SandboxConfig.max_open_files must be >= 16 (python needs a few), "
+                             f"got {self.max_open_files}")
+        if self.memory_mb < 32:
+            raise ValueError(f"SandboxConfig.memory_mb must be >= 32 (python needs ~10 MB), "
+                             f"got {self.memory_mb}")
+        if not 0 <= self.sandbox_uid < 2**32 - 1:
+            raise ValueError(f"SandboxConfig.sandbox_uid must be a uid, got {self.sandbox_uid}")
+        if not self.python_path.startswith("/"):
+            raise ValueError(f"SandboxConfig.python_path must be absolute, got "
+                             f"{self.python_path!r}")
+        for path in self.extra_ro_paths:
+            if not path.startswith("/") or path.rstrip("/") in ("", "/proc", "/dev", "/tmp"):
+                raise ValueError(f"SandboxConfig.extra_ro_paths entries must be absolute host "
+                                 f"paths other than / /proc /dev /tmp, got {path!r}")
+
+    def replace(self, **changes: object) -> SandboxConfig:
+        """A copy with some fields changed (configs are never mutated)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """What one run/call produced. `sandbox_error` is infrastructure failing: never score it."""
+
+    status: Status
+    """ok | error (non-zero exit or exception) | timeout (wall or CPU) | oom | output_limit |
+    killed (died from a signal, e.g. SIGSEGV) | sandbox_error."""
+    returncode: int | None
+    """Exit code; -N for death by signal N; None when the sandbox killed it or it never ran."""
+    stdout: str
+    stderr: str
+    wall_s: float
+    truncated: bool = False
+    """Output was cut at `max_output_bytes`."""
+    session_restarted: bool = field(default=False)
+    """Session calls only: this call ran in a fresh interpreter because the previous one died,
+    so earlier variables are gone (stderr starts with a note saying so)."""
+
+    @property
+    def ok(self) -> bool:
+        """The code ran to completion with exit status 0."""
+        return self.status == "ok"

@@ -1,0 +1,375 @@
+"""The types every producer emits and every consumer reads.
+
+`SamplingParams` and `Completion` are the engine's request and answer. `Trajectory` is one
+episode, token-exact: the same type comes out of env rollouts and proxy sessions, goes into the
+trainers, and round-trips through JSON lines. Images are part of it from the start.
+
+Only stdlib and numpy are imported here: `import agentrl` must stay light.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+FinishReason = Literal["stop", "length", "abort"]
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to sample one request. Mirrors the OpenAI/vLLM names users already know."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 disables."""
+    max_tokens: int = 256
+    """Most new tokens to sample (the completion stops with finish reason `length`)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings; the completion is cut before them and they are not part of the text."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra token ids that end the completion (the tokenizer's eos always does). Kept."""
+    n: int = 1
+    """Number of independent samples for the prompt."""
+    seed: int | None = None
+    """Per-request seed; the same seed, prompt and weights give the same sample."""
+    logprobs: bool = True
+    """Return the log-probability of each sampled token."""
+    raw_logprobs: bool = False
+    """If true, logprobs are of the raw model distribution (before temperature/top-p/top-k)
+    rather than of the distribution actually sampled from."""
+    top_logprobs: int = 0
+    """Also return this many most likely alternatives per position (proxy's `top_logprobs`)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"SamplingParams.n must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise ValueError(
+                f"SamplingParams.max_tokens must be an integer >= 0, got {self.max_tokens!r}"
+            )
+        if not (isinstance(self.temperature, int | float) and self.temperature >= 0):
+            raise ValueError(
+                f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature!r}"
+            )
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(
+                f"SamplingParams.top_k must be an integer >= 0 (0 = off), got {self.top_k!r}"
+            )
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
+            raise ValueError(
+                f"SamplingParams.top_logprobs must be an integer in [0, 20], "
+                f"got {self.top_logprobs!r}"
+            )
+        if isinstance(self.stop, str) or isinstance(self.stop_token_ids, int):
+            raise TypeError(
+                "SamplingParams.stop / stop_token_ids take a tuple, e.g. stop=('\\n\\n',)"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(kw_only=True)
+class Completion:
+    """One sample: exactly the token ids drawn, their log-probabilities and why it ended."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: FinishReason
+    policy_version: int = 0
+    """Version of the weights that sampled every token of this completion."""
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended it, if any."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per position, the most likely (token id, logprob) pairs, if asked for."""
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(
+                f"Completion.finish_reason must be one of {FINISH_REASONS}, "
+                f"got {self.finish_reason!r}"
+            )
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(
+                f"Completion has {len(self.token_ids)} tokens but {len(self.logprobs)} logprobs"
+            )
+
+
+@dataclass(kw_only=True)
+class Image:
+    """An image the model saw, and where its placeholder tokens sit in `Trajectory.token_ids`."""
+
+    pixels: np.ndarray
+    """uint8 array of shape (H, W, 3)."""
+    start: int = -1
+    """Index of the first placeholder token of this image; -1 if not yet placed."""
+    end: int = -1
+    """One past the last placeholder token."""
+
+    def __post_init__(self) -> None:
+        px = np.asarray(self.pixels)
+        if px.dtype != np.uint8 or px.ndim != 3 or px.shape[2] != 3:
+            raise ValueError(
+                f"Image.pixels must be a uint8 array of shape (H, W, 3), "
+                f"got dtype {px.dtype} shape {px.shape}"
+            )
+        self.pixels = px
+
+    def to_dict(self) -> dict:
+        h, w, _ = self.pixels.shape
+        data = base64.b64encode(np.ascontiguousarray(self.pixels).tobytes()).decode("ascii")
+        return {"shape": [h, w, 3], "data": data, "start": self.start, "end": self.end}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Image:
+        raw = np.frombuffer(base64.b64decode(d["data"]), dtype=np.uint8)
+        return cls(pixels=raw.reshape(d["shape"]).copy(), start=d["start"], end=d["end"])
+
+
+@dataclass(kw_only=True)
+class Turn:
+    """One policy action inside a trajectory: token_ids[start:end] were sampled by the policy.
+
+    The observation that preceded it is token_ids[obs_start:start].
+    """
+
+    obs_start: int
+    start: int
+    end: int
+    reward: float = 0.0
+    """The environment's reward for this step."""
+    policy_version: int = 0
+    finish_reason: FinishReason = "stop"
+
+
+@dataclass(kw_only=True)
+class Trajectory:
+    """One episode, token-exact, as every trainer consumes it.
+
+    Invariants (checked by `validate`): `loss_mask` and `logprobs` align with `token_ids`;
+    `loss_mask` is 1 exactly on the tokens of the turns; turns are ordered and disjoint.
+    """
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    """Sampler log-probability of each policy token; 0.0 on observation tokens."""
+    turns: list[Turn]
+    terminated: bool = False
+    truncated: bool = False
+    images: list[Image] = field(default_factory=list)
+    group: str | None = None
+    """Prompt identity: trajectories of the same group share a baseline (GRPO, RLOO)."""
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    info: dict = field(default_factory=dict)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.turns]
+
+    @property
+    def total_reward(self) -> float:
+        return float(sum(self.rewards))
+
+    @property
+    def policy_versions(self) -> list[int]:
+        return [t.policy_version for t in self.turns]
+
+    @property
+    def prompt_len(self) -> int:
+        return self.turns[0].start if self.turns else len(self.token_ids)
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return int(sum(self.loss_mask))
+
+    def validate(self) -> None:
+        n = len(self.token_ids)
+        if len(self.loss_mask) != n or len(self.logprobs) != n:
+            raise ValueError(
+                f"Trajectory {self.uid}: token_ids ({n}), loss_mask ({len(self.loss_mask)}) and "
+                f"logprobs ({len(self.logprobs)}) must have the same length"
+            )
+        expected = [0] * n
+        prev_end = 0
+        for i, t in enumerate(self.turns):
+            if not (prev_end <= t.obs_start <= t.start <= t.end <= n):
+                raise ValueError(
+                    f"Trajectory {self.uid}: turn {i} spans obs {t.obs_start}, action "
+                    f"[{t.start}, {t.end}) which is out of order or out of range (n={n})"
+                )
+            expected[t.start : t.end] = [1] * (t.end - t.start)
+            prev_end = t.end
+        if expected != list(self.loss_mask):
+            raise ValueError(f"Trajectory {self.uid}: loss_mask does not match the turns")
+        for img in self.images:
+            if img.start >= 0 and not (0 <= img.start <= img.end <= n):
+                raise ValueError(f"Trajectory {self.uid}: image placeholder out of range")
+
+    def to_dict(self) -> dict:
+        d = {
+            "uid": self.uid,
+            "group": self.group,
+            "token_ids": list(map(int, self.token_ids)),
+            "loss_mask": list(map(int, self.loss_mask)),
+            "logprobs": [float(x) for x in self.logprobs],
+            "turns": [asdict(t) for t in self.turns],
+            "terminated": bool(self.terminated),
+            "truncated": bool(self.truncated),
+            "images": [im.to_dict() for im in self.images],
+            "info": _jsonable(self.info),
+        }
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Trajectory:
+        missing = {"token_ids", "loss_mask", "logprobs", "turns"} - d.keys()
+        if missing:
+            raise ValueError(f"not a Trajectory record: missing keys {sorted(missing)}")
+        traj = cls(
+            token_ids=list(d["token_ids"]),
+            loss_mask=list(d["loss_mask"]),
+            logprobs=[float(x) for x in d["logprobs"]],
+            turns=[Turn(**t) for t in d["turns"]],
+            terminated=bool(d.get("terminated", False)),
+            truncated=bool(d.get("truncated", False)),
+            images=[Image.from_dict(x) for x in d.get("images", [])],
+            group=d.get("group"),
+            uid=d.get("uid") or uuid.uuid4().hex,
+            info=dict(d.get("info", {})),
+        )
+        traj.validate()
+        return traj
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), allow_nan=False)
+
+    @classmethod
+    def from_json(cls, line: str) -> Trajectory:
+        return cls.from_dict(json.loads(line))
+
+
+class TrajectoryBuilder:
+    """Appends observations and actions and produces a consistent `Trajectory`.
+
+    Used by the rollout collector and by proxy sessions, so both emit the same thing.
+    """
+
+    def __init__(self, group: str | None = None) -> None:
+        self.token_ids: list[int] = []
+        self.loss_mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.turns: list[Turn] = []
+        self.images: list[Image] = []
+        self.group = group
+        self._obs_start = 0
+
+    def add_observation(self, tokens: Iterable[int], images: Iterable[Image] = ()) -> None:
+        tokens = [int(t) for t in tokens]
+        self.token_ids.extend(tokens)
+        self.loss_mask.extend([0] * len(tokens))
+        self.logprobs.extend([0.0] * len(tokens))
+        self.images.extend(images)
+
+    def add_action(
+        self,
+        tokens: Iterable[int],
+        logprobs: Iterable[float] | None,
+        *,
+        policy_version: int = 0,
+        finish_reason: FinishReason = "stop",
+    ) -> Turn:
+        tokens = [int(t) for t in tokens]
+        lps = [0.0] * len(tokens) if logprobs is None else [float(x) for x in logprobs]
+        if len(lps) != len(tokens):
+            raise ValueError(f"action has {len(tokens)} tokens but {len(lps)} logprobs")
+        start = len(self.token_ids)
+        self.token_ids.extend(tokens)
+        self.loss_mask.extend([1] * len(tokens))
+        self.logprobs.extend(lps)
+        turn = Turn(
+            obs_start=self._obs_start,
+            start=start,
+            end=len(self.token_ids),
+            policy_version=policy_version,
+            finish_reason=finish_reason,
+        )
+        self.turns.append(turn)
+        self._obs_start = len(self.token_ids)
+        return turn
+
+    def build(self, *, terminated: bool, truncated: bool, info: dict | None = None) -> Trajectory:
+        traj = Trajectory(
+            token_ids=list(self.token_ids),
+            loss_mask=list(self.loss_mask),
+            logprobs=list(self.logprobs),
+            turns=[Turn(**asdict(t)) for t in self.turns],
+            terminated=terminated,
+            truncated=truncated,
+            images=list(self.images),
+            group=self.group,
+            info=dict(info or {}),
+        )
+        traj.validate()
+        return traj
+
+
+def save_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> int:
+    """Write trajectories as JSON lines (atomically: a crash leaves the old file intact)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    n = 0
+    with tmp.open("w") as f:
+        for traj in trajectories:
+            f.write(traj.to_json() + "\n")
+            n += 1
+    tmp.replace(path)
+    return n
+
+
+def iter_jsonl(path: str | Path) -> Iterator[Trajectory]:
+    with Path(path).open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield Trajectory.from_json(line)
+            except (ValueError, TypeError, KeyError) as e:
+                raise ValueError(f"{path}:{lineno}: not a valid trajectory: {e}") from e
+
+
+def load_jsonl(path: str | Path) -> list[Trajectory]:
+    return list(iter_jsonl(path))
+
+
+def _jsonable(obj: object) -> object:
+    """Best-effort conversion of env `info` values to JSON (numpy scalars, arrays, tuples)."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if obj is None or isinstance(obj, str | int | float | bool):
+        return obj
+    return repr(obj)

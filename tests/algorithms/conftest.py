@@ -1,0 +1,9 @@
+"""Every algorithm test starts from the same global RNG state."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)

@@ -1,0 +1,1 @@
+"""Ray orchestration: controller, actors, training backends, weight sync, checkpoints."""
