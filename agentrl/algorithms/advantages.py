@@ -9,10 +9,13 @@ per step); a sequence's scalar score, used by the group baselines, is the sum of
 Pipeline of :func:`compute_advantages` (OpenRLHF 0.11 ``experience_maker.py`` semantics, with
 the deliberate differences noted below):
 
-1. optional reward clip (before the baseline, unlike OpenRLHF which clips after it);
+1. optional reward clip, before the baseline (OpenRLHF clamps after it, which caps advantages);
 2. the estimator's baseline, applied by reshaping the token rewards so that the return at every
-   action token is ``(future step rewards - b) / scale``; 3. KL shaping ``r_t -= kl_coef * kl_t``;
-4. returns ``G_t = r_t + gamma * G_next`` (or GAE); 5. optional token-weighted whitening.
+   action token is ``(future step rewards - b) / scale`` (the textbook ``(r - b) / scale`` for
+   single-turn data);
+3. KL reward shaping ``r_t -= kl_coef * kl_t`` on every action token;
+4. returns ``G_t = r_t + gamma * G_next`` (advantages = returns), or GAE with the critic;
+5. optional token-weighted whitening over all action tokens of the batch.
 
 Discounting walks action tokens only: observation tokens are the environment's transition
 between two policy turns, so they neither discount (gamma, lambda) nor bootstrap (values).
@@ -263,7 +266,8 @@ def compute_advantages(
     ``whiten_std=False`` keeps only its mean subtraction. ``kl_BT`` (e.g. from
     :func:`agentrl.algorithms.kl.kl_estimate`) is subtracted as ``kl_coef * kl_t`` on every
     action token after the baseline. ``reward_clip`` clamps each step reward to
-    ``[-reward_clip, reward_clip]`` before the baseline. Both outputs are 0 off ``mask_BT``.
+    ``[-reward_clip, reward_clip]`` before the baseline. A non-zero reward off ``mask_BT`` is a
+    ``ValueError`` (it would otherwise be silently lost). Both outputs are 0 off ``mask_BT``.
     """
     fn = lookup(ADVANTAGE_ESTIMATORS, estimator, "advantage estimator")
     _check_shapes(mask_BT, rewards_BT=rewards_BT, values_BT=values_BT, kl_BT=kl_BT)

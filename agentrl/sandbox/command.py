@@ -1,0 +1,132 @@
+"""Build the exec chain of one sandbox (no preexec_fn: it is not thread-safe).
+
+Isolated tier, outer to inner, each stage an exec wrapper:
+
+    sh (join the cgroup, only where one exists) -> setpriv (drop root to an unprivileged uid,
+    no-new-privs) -> bwrap (namespaces, read-only /usr, tmpfs /tmp /work /dev/shm, clearenv,
+    seccomp) -> prlimit (rlimits) -> python3 -I -u
+
+prlimit runs *inside* the user namespace on purpose: since Linux 5.14 RLIMIT_NPROC is counted
+per (user namespace, uid), so a limit set there bounds this sandbox alone, and a fork bomb in
+one sandbox cannot starve a neighbour running as the same uid (set outside, it would count every
+process of that uid on the host).
+
+Unisolated tier (explicit opt-in only): the same chain minus bwrap, in a fresh 0700 directory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from dataclasses import dataclass
+
+from agentrl.sandbox.config import SandboxConfig
+
+WORK_DIR = "/work"
+CODE_NAME = "main.py"
+_MB = 1 << 20
+# The sandbox has no /etc and no HOME on the host: a small explicit environment only.
+_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# `sh` joins the cgroup with its own pid, reports "started" on the status fd (so a non-zero
+# exit of the code can be told from a chain that never started), closes that fd, then execs.
+_JOIN = ('fd=$1; shift; while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; '
+         'shift; [ "$fd" = - ] || { echo started >&"$fd"; eval "exec $fd>&-"; }; exec "$@"')
+# With a cgroup the address-space rlimit is only a coarse backstop: thread stacks and
+# allocator arenas reserve far more virtual memory than they touch.
+_AS_BACKSTOP_FACTOR = 4
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What is available here, decided once per Sandbox by `probe`."""
+
+    bwrap: str | None
+    """Resolved bubblewrap path; None only in the opted-in unisolated tier."""
+    drop_uid: int | None
+    """uid to switch to (caller is root); None when already unprivileged."""
+    has_cgroup: bool
+    seccomp: bytes | None
+
+
+def resolve_bwrap(cfg: SandboxConfig) -> str | None:
+    """Absolute path of bubblewrap, or None if it is not installed where the config says."""
+    if "/" in cfg.bwrap_path:
+        return cfg.bwrap_path if os.access(cfg.bwrap_path, os.X_OK) else None
+    return shutil.which(cfg.bwrap_path)
+
+
+def rlimit_args(cfg: SandboxConfig, *, cpu_time_s: float | None, nproc: bool,
+                has_cgroup: bool) -> list[str]:
+    """`prlimit ... --` for one execution; CPU soft limit sends SIGXCPU, hard one SIGKILL."""
+    memory = cfg.memory_mb * _MB
+    address_space = memory * _AS_BACKSTOP_FACTOR if has_cgroup else memory
+    args = ["prlimit", f"--as={address_space}", f"--fsize={cfg.max_file_mb * _MB}",
+            f"--nofile={cfg.max_open_files}", "--core=0"]
+    if nproc:
+        args.append(f"--nproc={cfg.max_processes}")
+    if cpu_time_s is not None:
+        soft = math.ceil(cpu_time_s)
+        args.append(f"--cpu={soft}:{soft + 1}")
+    return [*args, "--"]
+
+
+def _root_links() -> list[str]:
+    """Recreate /bin /lib /lib64 /sbin as the host has them (merged-/usr links or dirs)."""
+    args: list[str] = []
+    for name in ("/bin", "/lib", "/lib64", "/lib32", "/libx32", "/sbin"):
+        if os.path.islink(name):
+            args += ["--symlink", os.readlink(name), name]
+        elif os.path.isdir(name):
+            args += ["--ro-bind", name, name]
+    return args
+
+
+def bwrap_args(cfg: SandboxConfig, plan: Plan, *, status_fd: int, seccomp_fd: int | None,
+               code_fd: int | None, code_bytes: int) -> list[str]:
+    """bubblewrap options: every namespace, nothing of the host but /usr (read-only)."""
+    assert plan.bwrap is not None
+    size = str(cfg.disk_mb * _MB)
+    args = [plan.bwrap, "--unshare-all", "--unshare-user", "--disable-userns",
+            "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--ro-bind", "/usr", "/usr", *_root_links()]
+    for path in cfg.extra_ro_paths:
+        args += ["--ro-bind", path, path]
+    args += ["--proc", "/proc", "--dev", "/dev",
+             "--size", size, "--tmpfs", "/dev/shm",
+             "--size", size, "--tmpfs", "/tmp",
+             # The work dir also holds the code, so it is sized to fit even a 14 MB program.
+             "--size", str(cfg.disk_mb * _MB + code_bytes), "--tmpfs", WORK_DIR]
+    if code_fd is not None:
+        args += ["--perms", "0644", "--file", str(code_fd), f"{WORK_DIR}/{CODE_NAME}"]
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
+    args += ["--chdir", WORK_DIR, "--hostname", "sandbox", "--json-status-fd", str(status_fd),
+             "--clearenv"]
+    for key, value in {**_ENV, "HOME": WORK_DIR, "TMPDIR": "/tmp"}.items():
+        args += ["--setenv", key, value]
+    return [*args, "--"]
+
+
+def outer_args(plan: Plan, procs_files: list[str], status_fd: int | None) -> list[str]:
+    """The stages before bwrap: join the cgroup (as root), then drop privileges."""
+    args: list[str] = []
+    if procs_files or status_fd is not None:
+        fd = "-" if status_fd is None else str(status_fd)
+        args += ["/bin/sh", "-c", _JOIN, "sh", fd, *procs_files, "--"]
+    if plan.drop_uid is not None:
+        uid = str(plan.drop_uid)
+        args += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+                 "--no-new-privs", "--"]
+    return args
+
+
+def unisolated_env(work_dir: str) -> dict[str, str]:
+    """Environment of the unisolated tier: the same small set, pointing at the fresh dir."""
+    return {**_ENV, "HOME": work_dir, "TMPDIR": work_dir}
+
+
+def isolated_env() -> dict[str, str]:
+    """Environment for the wrappers before bwrap: nothing of the trainer's (bwrap clears it)."""
+    return {"PATH": _ENV["PATH"]}

@@ -1,0 +1,123 @@
+"""Session guest: the persistent interpreter that runs *inside* the sandbox.
+
+Not imported by the package: `session.py` passes this file's source to `python3 -I -u -c`, so
+it must stay stdlib-only and self-contained. Protocol (host -> guest on the original stdin):
+a 16-byte header `!Qd` (code length, CPU seconds or 0) then the UTF-8 code; (guest -> host on
+the fd named in argv[1]) one JSON line per call, `{"rc": int, "exc": name|null}`, written only
+after stdout/stderr are flushed, so the host has all of a call's output once it sees the line.
+
+User code gets /dev/null as stdin (an `input()` ends at once instead of reading the protocol)
+and runs in one namespace like a notebook: the value of a trailing expression is printed.
+"""
+
+import ast
+import builtins
+import json
+import linecache
+import math
+import os
+import resource
+import struct
+import sys
+import traceback
+
+_HEADER = struct.Struct("!Qd")
+
+
+def _read_exact(fd: int, size: int) -> bytes | None:
+    chunks, remaining = [], size
+    while remaining:
+        chunk = os.read(fd, min(remaining, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def _limit_cpu(seconds: float) -> None:
+    """Per-call CPU budget: RLIMIT_CPU is cumulative per process, so move the soft limit."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    soft = math.ceil(usage.ru_utime + usage.ru_stime + seconds)
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+
+
+def _exit_code(exc: SystemExit) -> int:
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _run_cell(source: str, namespace: dict, filename: str) -> tuple[int, str | None]:
+    """Execute like a notebook cell; returns (exit-like code, exception name)."""
+    try:
+        tree = ast.parse(source, filename)
+    except (SyntaxError, ValueError) as exc:
+        traceback.print_exception(type(exc), exc, None)
+        return 1, type(exc).__name__
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    # Tracebacks then show the offending source line, as they would for a file.
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    try:
+        exec(compile(tree, filename, "exec"), namespace)
+        if last is not None:
+            value = eval(compile(last, filename, "eval"), namespace)
+            if value is not None:
+                print(repr(value))
+    except SystemExit as exc:
+        return _exit_code(exc), None
+    except BaseException as exc:  # noqa: BLE001 - report everything, as python would.
+        try:
+            traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
+        except BaseException:  # noqa: BLE001 - e.g. MemoryError while formatting.
+            os.write(2, f"{type(exc).__name__}\n".encode())
+        return 1, type(exc).__name__
+    return 0, None
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001 - user code may have replaced or closed it.
+            pass
+
+
+def main() -> None:
+    msg_fd = int(sys.argv[1])
+    ctl_fd = os.dup(0)
+    null_fd = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null_fd, 0)
+    os.close(null_fd)
+    # Subprocesses of user code must not inherit the protocol fds.
+    os.set_inheritable(msg_fd, False)
+    os.set_inheritable(ctl_fd, False)
+    sys.argv = [""]
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    pid, count = os.getpid(), 0
+    while True:
+        header = _read_exact(ctl_fd, _HEADER.size)
+        if header is None:
+            return
+        size, cpu_s = _HEADER.unpack(header)
+        data = _read_exact(ctl_fd, size)
+        if data is None:
+            return
+        count += 1
+        if cpu_s > 0:
+            _limit_cpu(cpu_s)
+        rc, exc = _run_cell(data.decode("utf-8", "surrogatepass"), namespace, f"<cell {count}>")
+        _flush()
+        if os.getpid() != pid:  # A fork made by the cell finished it: end like a script would.
+            os._exit(rc)
+        os.write(msg_fd, json.dumps({"rc": rc, "exc": exc}).encode() + b"\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Start one sandbox (one-shot program or session guest) and turn its end into an ExecResult.
+
+Code travels in a memfd that bwrap copies into the sandbox's tmpfs (`--file FD`): never argv
+(14 MB of source would hit "Argument list too long") and never a host directory that could fill
+the disk or be left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from agentrl.sandbox.cgroup import Cgroup, CgroupFactory
+from agentrl.sandbox.command import (
+    CODE_NAME,
+    WORK_DIR,
+    Plan,
+    bwrap_args,
+    isolated_env,
+    outer_args,
+    rlimit_args,
+    unisolated_env,
+)
+from agentrl.sandbox.config import ExecResult, SandboxConfig, Status
+from agentrl.sandbox.process import Child, PumpEvent, spawn
+
+GUEST_SOURCE = (Path(__file__).parent / "guest.py").read_text()
+_MB = 1 << 20
+_factory_lock = threading.Lock()
+_factory: list[CgroupFactory | None] = []
+
+
+class StartError(RuntimeError):
+    """The sandbox could not be started (infrastructure, not the code)."""
+
+
+def cgroup_factory() -> CgroupFactory | None:
+    """Detect a writable cgroup hierarchy once per process."""
+    with _factory_lock:
+        if not _factory:
+            _factory.append(CgroupFactory.detect())
+        return _factory[0]
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    view, written = memoryview(data), 0
+    while written < len(data):  # os.write may write less than asked for large buffers.
+        written += os.write(fd, view[written:])
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def start(cfg: SandboxConfig, plan: Plan, *, code: bytes | None,
+          cpu_time_s: float | None) -> Child:
+    """Launch `code` as a one-shot program, or the session guest when `code` is None."""
+    cgroup: Cgroup | None = None
+    factory = cgroup_factory() if plan.has_cgroup else None
+    if factory is not None:
+        try:
+            cgroup = factory.create(cfg.memory_mb * _MB, cfg.max_processes, cfg.cpu_cores)
+        except OSError as exc:
+            raise StartError(f"cannot create the execution's cgroup: {exc}") from exc
+    parent_fds: list[int] = []  # Child-side ends, closed here once the child has them.
+    status_r, status_w = os.pipe()
+    parent_fds.append(status_w)
+    try:
+        return _start(cfg, plan, code, cpu_time_s, cgroup, status_r, status_w, parent_fds)
+    except BaseException:
+        os.close(status_r)
+        if cgroup is not None:
+            cgroup.kill()
+            cgroup.remove()
+        raise
+    finally:
+        for fd in parent_fds:
+            os.close(fd)
+
+
+def _start(cfg: SandboxConfig, plan: Plan, code: bytes | None, cpu_time_s: float | None,
+           cgroup: Cgroup | None, status_r: int, status_w: int,
+           parent_fds: list[int]) -> Child:
+    isolated = plan.bwrap is not None
+    msg_r = stdin_w = None
+    stdin = subprocess.DEVNULL
+    python = [cfg.python_path, "-I", "-u"]
+    if code is None:  # Session guest: protocol in on stdin, replies out on a message pipe.
+        msg_r, msg_w = os.pipe()
+        stdin, stdin_w = os.pipe()
+        parent_fds += [msg_w, stdin]
+        python += ["-c", GUEST_SOURCE, str(msg_w)]
+    procs = cgroup.procs_files if cgroup is not None else []
+    work_dir = None
+    if isolated:
+        code_fd = None if code is None else _memfd("agentrl-code", code)
+        seccomp_fd = None if plan.seccomp is None else _memfd("agentrl-seccomp", plan.seccomp)
+        parent_fds += [fd for fd in (code_fd, seccomp_fd) if fd is not None]
+        argv = [*outer_args(plan, procs, None),
+                *bwrap_args(cfg, plan, status_fd=status_w, seccomp_fd=seccomp_fd,
+                            code_fd=code_fd, code_bytes=len(code or b"")),
+                *rlimit_args(cfg, cpu_time_s=cpu_time_s, nproc=True,
+                             has_cgroup=cgroup is not None)]
+        env, cwd = isolated_env(), None
+        if code is not None:
+            python.append(f"{WORK_DIR}/{CODE_NAME}")
+    else:
+        work_dir = tempfile.mkdtemp(prefix="agentrl-sandbox-")
+        if code is not None:
+            Path(work_dir, CODE_NAME).write_bytes(code)
+            python.append(os.path.join(work_dir, CODE_NAME))
+        if plan.drop_uid is not None:
+            os.chown(work_dir, plan.drop_uid, plan.drop_uid)
+        argv = [*outer_args(plan, procs, status_w),
+                *rlimit_args(cfg, cpu_time_s=cpu_time_s, nproc=plan.drop_uid is not None,
+                             has_cgroup=cgroup is not None)]
+        env, cwd = unisolated_env(work_dir), work_dir
+    pass_fds = tuple(fd for fd in parent_fds if fd != stdin)
+    try:
+        proc = spawn([*argv, *python], env=env, stdin=stdin, pass_fds=pass_fds, cwd=cwd)
+    except OSError as exc:
+        raise StartError(f"cannot start {argv[0]}: {exc}") from exc
+    return Child(proc, cap=cfg.max_output_bytes, isolated=isolated, status_r=status_r,
+                 msg_r=msg_r, stdin_w=stdin_w, cgroup=cgroup, work_dir=work_dir)
+
+
+def exit_status(child: Child) -> tuple[Status, int | None]:
+    """Status and returncode of a program that ended by itself (after `child.close()`)."""
+    rc = child.proc.returncode
+    if child.isolated and 128 < rc <= 128 + 64:
+        rc = 128 - rc  # bwrap reports death by signal N as exit code 128+N.
+    if rc == 0:
+        return "ok", 0
+    if rc < 0:
+        return ("timeout" if -rc == signal.SIGXCPU else "killed"), rc
+    return "error", rc
+
+
+def looks_oom(stderr: bytes) -> bool:
+    """Python's own MemoryError (the address-space backstop hit before the cgroup limit)."""
+    lines = stderr.rstrip().splitlines()
+    return bool(lines) and lines[-1].startswith(b"MemoryError")
+
+
+def decode(data: bytes) -> str:
+    """Model output is arbitrary bytes: invalid UTF-8 is replaced, NULs are kept."""
+    return data.decode("utf-8", errors="replace")
+
+
+def classify(child: Child, event: PumpEvent, oom_before: int = 0) -> tuple[Status, int | None]:
+    """The status of an execution that ended with `event`; call after `child.close()`."""
+    if not child.started or child.leaked:
+        return "sandbox_error", None
+    if event == "overflow":
+        return "output_limit", None
+    if event == "timeout":
+        return "timeout", None
+    status, rc = exit_status(child)
+    if status != "ok" and child.oom_kills > oom_before:
+        return "oom", rc
+    return status, rc
+
+
+def run_once(cfg: SandboxConfig, plan: Plan, code: str, timeout_s: float,
+             clock: float) -> ExecResult:
+    """One fresh interpreter for `code`, always fully cleaned up before returning."""
+    try:
+        child = start(cfg, plan, code=code.encode("utf-8", "surrogatepass"),
+                      cpu_time_s=cfg.cpu_time_s)
+    except StartError as exc:
+        return ExecResult("sandbox_error", None, "", f"agentrl.sandbox: {exc}\n",
+                          time.monotonic() - clock)
+    try:
+        event = child.pump(clock + timeout_s)
+    finally:
+        child.close()
+    stdout, stderr, truncated = child.take_output()
+    status, rc = classify(child, event)
+    if status in ("error", "killed") and looks_oom(stderr):
+        status = "oom"
+    if status == "sandbox_error" and not stderr:
+        stderr = b"agentrl.sandbox: the sandbox failed to start or to clean up\n"
+    return ExecResult(status, rc, decode(stdout), decode(stderr), time.monotonic() - clock,
+                      truncated)

