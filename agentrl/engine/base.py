@@ -26,6 +26,11 @@ class PromptTooLongError(ValueError):
         )
 
 
+class GenerationError(RuntimeError):
+    """The engine failed while generating (not the request's fault); every affected request
+    gets this error. Rollouts let it propagate instead of recording it per episode."""
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A policy that samples tokens.

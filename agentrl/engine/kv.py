@@ -38,7 +38,9 @@ class BufferLayer(DynamicLayer):
         self.keys, self.values = keys[..., : self.length, :], values[..., : self.length, :]
         self.is_initialized = True
 
-    def update(self, key_states, value_states, *args, **kwargs):  # noqa: ANN001, ANN201 - HF API
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         new_len = self.length + key_states.shape[-2]
         if new_len > self.buf_k.shape[-2]:
             self._grow(max(new_len, 2 * self.buf_k.shape[-2], 16))
@@ -187,7 +189,8 @@ class PrefixCache:
             return
         arr = np.asarray(tokens, dtype=np.int64)
         for key in [
-            key for key, (a, _, _) in self._entries.items()
+            key
+            for key, (a, _, _) in self._entries.items()
             if len(a) <= len(arr) and bool((arr[: len(a)] == a).all())
         ]:
             self._drop(key)

@@ -65,12 +65,13 @@ def sample_tokens(
     uniform_B: torch.Tensor,
     *,
     raw_B: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw one token per row by inverse-CDF sampling with the given uniforms in (0, 1].
 
     One uniform per row (drawn from the row's own generator) makes seeded requests reproducible
-    whatever else shares the batch. Returns (tokens_B int64, logprobs_B): the logprob of each
-    sampled token under the processed distribution, or under the raw model where `raw_B`.
+    whatever else shares the batch. Returns (tokens_B int64, logprobs_B, logp_B_V): the logprob
+    of each sampled token under the processed distribution, or under the raw model where
+    `raw_B`, and the full processed log-distribution.
     """
     logits_B_V = logits_B_V.float()
     logp_B_V = processed_logprobs(logits_B_V, temperature_B, top_k_B, top_p_B)
@@ -85,4 +86,4 @@ def sample_tokens(
     if bool(raw_B.any()):
         raw_lp_B = torch.log_softmax(logits_B_V, dim=-1).gather(-1, tokens_B[:, None]).squeeze(-1)
         lp_B = torch.where(raw_B, raw_lp_B, lp_B)
-    return tokens_B, lp_B
+    return tokens_B, lp_B, logp_B_V

@@ -30,9 +30,11 @@ _MB = 1 << 20
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
         "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # `sh` joins the cgroup with its own pid, reports "started" on the status fd (so a non-zero
-# exit of the code can be told from a chain that never started), closes that fd, then execs.
+# exit of the code can be told from a chain that never started), then execs the rest.
+# (dash redirects only fds 0-9, hence /dev/fd/N; the fd stays open, which is harmless: code
+# that runs can only prove the chain started, never hide it.)
 _JOIN = ('fd=$1; shift; while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; '
-         'shift; [ "$fd" = - ] || { echo started >&"$fd"; eval "exec $fd>&-"; }; exec "$@"')
+         'shift; [ "$fd" = - ] || echo started > "/dev/fd/$fd"; exec "$@"')
 # With a cgroup the address-space rlimit is only a coarse backstop: thread stacks and
 # allocator arenas reserve far more virtual memory than they touch.
 _AS_BACKSTOP_FACTOR = 4

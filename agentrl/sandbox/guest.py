@@ -65,7 +65,7 @@ def _run_cell(source: str, namespace: dict, filename: str) -> tuple[int, str | N
     # Tracebacks then show the offending source line, as they would for a file.
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     try:
-        exec(compile(tree, filename, "exec"), namespace)
+        exec(compile(tree, filename, "exec"), namespace)  # noqa: S102 - the purpose.
         if last is not None:
             value = eval(compile(last, filename, "eval"), namespace)
             if value is not None:
@@ -85,7 +85,7 @@ def _flush() -> None:
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         try:
             stream.flush()
-        except BaseException:  # noqa: BLE001 - user code may have replaced or closed it.
+        except BaseException:  # noqa: BLE001, S110 - user code may have replaced or closed it.
             pass
 
 

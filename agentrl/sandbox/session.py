@@ -15,6 +15,7 @@ import threading
 import time
 import weakref
 from types import TracebackType
+from typing import Self
 
 from agentrl.sandbox.command import Plan
 from agentrl.sandbox.config import ExecResult, SandboxConfig, Status
@@ -50,7 +51,7 @@ class Session:
         self._lost: str | None = None
         self._closed = False
 
-    def __enter__(self) -> Session:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

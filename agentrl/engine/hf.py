@@ -1,0 +1,530 @@
+"""The transformers backend: many concurrent `generate` calls batched on one model, CPU or GPU.
+
+A worker thread owns the forward passes. Each iteration it admits waiting requests (prefilling
+them together, each distinct prompt once even when it has n samples, resuming from the longest
+cached prefix), then runs one decode step for every running sample. Samples that finish leave
+the batch, and their slots go to waiting requests at the next iteration (continuous batching).
+The KV cache is a masked, left-aligned batch of rows written in place (see `agentrl.engine.kv`).
+
+Why not transformers' own continuous batching (`generate_batch`, paged KV)? On the 2-core CPU
+machines it ran at ~60 tok/s for 16 requests, below a padded `generate` batch (~150 slot
+tokens/s), and it neither samples per-request seeds nor reports logprobs of the processed
+distribution. The numbers behind this choice are in benchmarks/results/generation.md.
+
+The model may be the very module a trainer trains (colocated): forward passes run under
+`torch.no_grad()` in the worker thread (grad mode is thread-local, so the trainer is
+unaffected), the module's train/eval mode is left alone, and `update_weights` with the model's
+own tensors costs nothing but a version bump.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import difflib
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Self
+
+import numpy as np
+import torch
+from transformers.cache_utils import DynamicCache
+
+from agentrl.engine.base import GenerationError, NamedTensors
+from agentrl.engine.kv import KV, BatchCache, PrefixCache
+from agentrl.engine.requests import Request, Sample, check_request, stop_string_hit
+from agentrl.engine.sampling import sample_tokens
+from agentrl.types import Completion, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+
+class TransformersEngine:
+    """Engine over a Hugging Face causal LM (see module docstring).
+
+    Args:
+        model: the causal LM; may be the trainer's own module.
+        tokenizer: its tokenizer (eos ids, stop-string detection).
+        max_batch_size: most samples decoded together; more wait for a free slot.
+        device: where to run; default the model's device (the model is moved otherwise).
+        version: version of the initial weights.
+        prefix_cache_bytes: KV bytes kept for prefix reuse across requests (0 disables).
+        max_prefill_tokens: most (padded) prompt tokens encoded in one forward pass.
+        seed: seeds the generator of requests without their own seed.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_batch_size: int = 64,
+        device: str | None = None,
+        version: int = 0,
+        prefix_cache_bytes: int = 1 << 30,
+        max_prefill_tokens: int = 8192,
+        seed: int | None = None,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        param = next(model.parameters())
+        self.device = torch.device(device) if device is not None else param.device
+        if param.device != self.device:
+            model.to(self.device)
+        self.model = model
+        self._tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self._version = int(version)
+        cfg = model.config.get_text_config()
+        self._max_context = int(getattr(cfg, "max_position_embeddings", 0) or 2048)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self._rng = torch.Generator().manual_seed(
+            int(np.random.SeedSequence(seed).generate_state(1)[0])
+        )
+        self._cv = threading.Condition()
+        self._step_lock = threading.Lock()
+        self._pending: collections.deque[Request] = collections.deque()
+        self._by_id: dict[str, Request] = {}
+        self._batch: BatchCache | None = None
+        self._rows: list[Sample] = []
+        self._closed = self._sleeping = False
+        self.counters = collections.Counter()
+        self._worker = threading.Thread(target=self._loop, name="agentrl-engine", daemon=True)
+        self._worker.start()
+
+    # ----------------------------------------------------------------- public API
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self._tokenizer
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        images: Sequence[np.ndarray] | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> list[Completion]:
+        """Sample `params.n` completions of `prompt_ids` (token ids, never re-tokenized).
+
+        Cancelling the awaiting task aborts the request and frees its slots; `abort(request_id)`
+        instead makes this call return the tokens so far with finish reason "abort".
+        """
+        prompt = check_request(
+            prompt_ids, params, vocab_size=self.vocab_size, max_context=self._max_context
+        )
+        if images:
+            raise ValueError(
+                "this TransformersEngine serves a text-only model; images need a vision-language "
+                "model (pass images=None)"
+            )
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        if params.max_tokens == 0:
+            empty = [] if params.logprobs else None
+            return [
+                Completion(
+                    token_ids=[],
+                    logprobs=empty,
+                    finish_reason="length",
+                    policy_version=self._version,
+                )
+                for _ in range(params.n)
+            ]
+        loop = asyncio.get_running_loop()
+        req = Request(request_id or uuid.uuid4().hex, prompt, params, loop, loop.create_future())
+        with self._cv:
+            if req.id in self._by_id:
+                raise ValueError(f"request id {req.id!r} is already running")
+            self._by_id[req.id] = req
+            self._pending.append(req)
+            self._cv.notify_all()
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            self.abort(req.id)
+            raise
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request: its samples end with finish reason "abort" and free their slots."""
+        with self._cv:
+            req = self._by_id.get(request_id)
+            if req is None:
+                return False
+            req.aborted = True
+            self._cv.notify_all()
+        return True
+
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        """Load parameters by name (state dict or iterator of pairs) and switch to `version`.
+
+        Tensors that already are the model's own storage (colocated trainer) are not copied.
+        Runs between two decode steps; running samples continue with the new weights and keep
+        the version they started with. Cached prefixes (old weights' KV) are dropped.
+        """
+        targets = self.model.state_dict(keep_vars=True)
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        copied = 0
+        with self._step_lock, torch.no_grad():
+            for name, tensor in items:
+                target = targets.get(name)
+                if target is None:
+                    target = targets.get(_strip_wrappers(name))
+                if target is None:
+                    hint = difflib.get_close_matches(name, list(targets), n=1)
+                    raise ValueError(
+                        f"update_weights: the model has no parameter {name!r}"
+                        + (f"; did you mean {hint[0]!r}?" if hint else "")
+                        + f" (version stays {self._version}; earlier tensors were applied)"
+                    )
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ValueError(
+                        f"update_weights: {name!r} has shape {tuple(tensor.shape)} but the model "
+                        f"expects {tuple(target.shape)}"
+                    )
+                if target.data_ptr() == tensor.data_ptr() and target.device == tensor.device:
+                    continue
+                target.data.copy_(tensor)
+                copied += 1
+            self._version = int(version)
+            self.prefix_cache.clear()
+        logger.debug("update_weights: version %d, %d tensors copied", version, copied)
+
+    def sleep(self) -> None:
+        """Abort running samples and free the KV caches; new requests wait for `wake()`."""
+        with self._cv:
+            self._sleeping = True
+        with self._step_lock:
+            self._abort_rows(lambda s: True)
+            self._batch, self._rows = None, []
+            self.prefix_cache.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        with self._cv:
+            self._sleeping = False
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        """Stop the worker; waiting and running requests end with "abort"."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify_all()
+        self._worker.join(timeout=60)
+        with self._cv:
+            pending = list(self._pending)
+            self._pending.clear()
+        for req in pending:
+            self._abort_pending(req)
+        self._abort_rows(lambda s: True)
+        self._batch, self._rows = None, []
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def num_running(self) -> int:
+        """Samples holding a batch slot."""
+        return sum(not s.done for s in self._rows)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._pending)
+
+    # ----------------------------------------------------------------- worker
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and (
+                    self._sleeping or (not self._pending and not self._rows)
+                ):
+                    self._cv.wait()
+                if self._closed:
+                    return
+                admitted = self._admit()
+            with self._step_lock:
+                try:
+                    with torch.no_grad():
+                        self._reap_aborted()
+                        if admitted:
+                            self._prefill(admitted)
+                        if self._rows:
+                            self._decode()
+                        self._compact()
+                except Exception as e:  # the failure goes to the callers, the worker lives on
+                    logger.exception("generation step failed")
+                    self._fail_all(e, admitted)
+
+    def _admit(self) -> list[Request]:
+        """Pop waiting requests that fit (caller holds `_cv`)."""
+        for req in [r for r in self._pending if r.aborted]:
+            self._pending.remove(req)
+            self._abort_pending(req)
+        live = sum(not s.done for s in self._rows)
+        free = self.max_batch_size - live
+        waiting = sum(r.params.n for r in self._pending)
+        # Admit in chunks: each admission is a prefill pass plus a copy of the batch cache.
+        if live and free < min(waiting, max(1, self.max_batch_size // 8)):
+            return []
+        admitted = []
+        while self._pending:
+            n = self._pending[0].params.n
+            if n > free and (live or admitted):
+                break
+            admitted.append(self._pending.popleft())
+            free -= n
+        return admitted
+
+    def _new_samples(self, req: Request) -> list[Sample]:
+        limit = min(req.params.max_tokens, self._max_context - len(req.prompt))
+        samples = []
+        for j in range(req.params.n):
+            gen = None
+            if req.params.seed is not None:
+                gen = torch.Generator().manual_seed(hash((req.params.seed, j)) & (2**63 - 1))
+            samples.append(Sample(req, j, gen, limit, self._version, length=len(req.prompt)))
+        req.samples = samples
+        return samples
+
+    def _prefill(self, requests: list[Request]) -> None:
+        by_prompt: dict[tuple[int, ...], list[Sample]] = {}
+        for req in requests:
+            by_prompt.setdefault(tuple(req.prompt), []).extend(self._new_samples(req))
+        prompts = sorted(by_prompt, key=len)
+        chunks: list[list[tuple[int, ...]]] = [[]]
+        for p in prompts:  # bound the padded tokens of one forward pass
+            if chunks[-1] and (len(chunks[-1]) + 1) * len(p) > self.max_prefill_tokens:
+                chunks.append([])
+            chunks[-1].append(p)
+        for chunk in chunks:
+            cache, logits = self._prefill_chunk([list(p) for p in chunk])
+            index = [u for u, p in enumerate(chunk) for _ in by_prompt[p]]
+            samples = [s for p in chunk for s in by_prompt[p]]
+            expanded = cache.select(torch.tensor(index, device=self.device))
+            assert expanded is not None
+            self._sample(samples, logits.index_select(0, torch.tensor(index, device=self.device)))
+            self._batch = (
+                expanded if self._batch is None else BatchCache.concat([self._batch, expanded])
+            )
+            self._rows = self._rows + samples
+
+    def _prefill_chunk(self, prompts: list[list[int]]) -> tuple[BatchCache, torch.Tensor]:
+        """Encode prompts (resuming cached prefixes); returns their cache and last logits."""
+        hits = [self.prefix_cache.lookup(p, len(p) - 1) for p in prompts]
+        n_cached = max(c for c, _ in hits)
+        width = max(len(p) - c for p, (c, _) in zip(prompts, hits, strict=True))
+        rows = len(prompts)
+        ids = torch.zeros(rows, width, dtype=torch.long)
+        mask = torch.zeros(rows, n_cached + width, dtype=torch.long)
+        pos = torch.zeros(rows, width, dtype=torch.long)
+        for u, (p, (c, _)) in enumerate(zip(prompts, hits, strict=True)):
+            suffix = p[c:]
+            ids[u, width - len(suffix) :] = torch.tensor(suffix)
+            pos[u, width - len(suffix) :] = torch.arange(c, len(p))
+            mask[u, n_cached - c : n_cached] = 1
+            mask[u, n_cached + width - len(suffix) :] = 1
+        reused = sum(c for c, _ in hits)
+        self.counters["prefill_tokens"] += sum(map(len, prompts)) - reused
+        self.counters["reused_tokens"] += reused
+        if n_cached:
+            prefixes = _stack_prefixes(hits, n_cached)
+            past = BatchCache(prefixes, mask[:, :n_cached].to(self.device)).cache
+        else:
+            past = DynamicCache()
+        mask = mask.to(self.device)
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask,
+            position_ids=pos.to(self.device),
+            past_key_values=past,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = BatchCache([(lay.keys, lay.values) for lay in past.layers], mask)
+        for u, p in enumerate(prompts):
+            if self.prefix_cache.max_bytes and not self.prefix_cache.covers(p):
+                self.prefix_cache.insert(p, cache.row_prefix(u))
+        return cache, out.logits[:, -1, :]
+
+    def _decode(self) -> None:
+        batch = self._batch
+        assert batch is not None and batch.rows == len(self._rows)
+        last = [s.tokens[-1] if s.tokens else 0 for s in self._rows]
+        ids = torch.tensor(last, device=self.device)[:, None]
+        pos = torch.tensor([s.length for s in self._rows], device=self.device)[:, None]
+        mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=batch.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        batch.mask = mask
+        self.counters["decode_steps"] += 1
+        self.counters["decode_slots"] += len(self._rows)
+        for s in self._rows:
+            s.length += 1
+        live = [i for i, s in enumerate(self._rows) if not s.done]
+        index = torch.tensor(live, device=self.device)
+        self._sample([self._rows[i] for i in live], out.logits[:, -1, :].index_select(0, index))
+
+    def _sample(self, samples: list[Sample], logits_B_V: torch.Tensor) -> None:
+        """Draw the next token of each sample, record it, and finish samples that are done."""
+        params = [s.request.params for s in samples]
+        dev = logits_B_V.device
+        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        raw = torch.tensor([p.raw_logprobs for p in params], dtype=torch.bool, device=dev)
+        uniform = torch.tensor(
+            [1.0 - float(torch.rand(1, generator=s.generator or self._rng)) for s in samples]
+        )
+        tokens, lps, logp_B_V = sample_tokens(logits_B_V, temp, top_k, top_p, uniform, raw_B=raw)
+        want_top = max(p.top_logprobs for p in params)
+        top_vals = top_ids = None
+        if want_top:
+            src = torch.where(raw[:, None], torch.log_softmax(logits_B_V.float(), -1), logp_B_V)
+            top_vals, top_ids = src.topk(want_top, dim=-1)
+            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        self.counters["generated_tokens"] += len(samples)
+        for i, (s, tok, lp) in enumerate(zip(samples, tokens.tolist(), lps.tolist(), strict=True)):
+            s.tokens.append(tok)
+            s.logprobs.append(lp)
+            if s.request.params.top_logprobs and top_vals is not None and top_ids is not None:
+                k = s.request.params.top_logprobs
+                s.top.append(
+                    [
+                        (t, v)
+                        for t, v in zip(top_ids[i][:k], top_vals[i][:k], strict=True)
+                        if v > float("-inf")
+                    ]
+                )
+            self._check_finished(s, tok)
+
+    def _check_finished(self, s: Sample, tok: int) -> None:
+        p = s.request.params
+        if tok in p.stop_token_ids:
+            s.finish, s.stop_reason = "stop", tok
+        elif tok in self.eos_ids:
+            s.finish = "stop"
+        elif p.stop and (hit := self._stop_hit(s, p.stop)) is not None:
+            s.finish, s.stop_reason = "stop", hit
+        elif len(s.tokens) >= s.max_tokens:
+            s.finish = "length"
+        if s.done:
+            self._on_sample_done(s)
+
+    def _stop_hit(self, s: Sample, stops: Sequence[str]) -> str | None:
+        # The stop string was absent after the previous token, so it ends in the newest one;
+        # decoding a short tail is enough (a token holds at least one byte of text).
+        tail = s.tokens[-(max(len(x.encode()) for x in stops) + 4) :]
+        return stop_string_hit(self._tokenizer.decode(tail, skip_special_tokens=True), stops)
+
+    def _on_sample_done(self, s: Sample) -> None:
+        req = s.request
+        if s.finish != "abort" and self.prefix_cache.max_bytes and len(s.tokens) > 1:
+            # Keep prompt + completion KV: the next turn of a multi-turn episode extends it.
+            row = self._rows.index(s) if s in self._rows else -1
+            if row >= 0 and self._batch is not None:
+                self.prefix_cache.insert(req.prompt + s.tokens[:-1], self._batch.row_prefix(row))
+        if all(x.done for x in req.samples):
+            with self._cv:
+                self._by_id.pop(req.id, None)
+            req.finish_all()
+
+    def _compact(self) -> None:
+        """Drop finished rows from the batch once enough of them have piled up."""
+        if self._batch is None:
+            return
+        live = [i for i, s in enumerate(self._rows) if not s.done]
+        dead = len(self._rows) - len(live)
+        if dead == 0:
+            return
+        if live and dead < max(1, len(self._rows) // 8):
+            return
+        self._batch = self._batch.select(torch.tensor(live, dtype=torch.long, device=self.device))
+        self._rows = [self._rows[i] for i in live]
+
+    def _reap_aborted(self) -> None:
+        self._abort_rows(lambda s: s.request.aborted)
+
+    def _abort_rows(self, which: Callable[[Sample], bool]) -> None:
+        for s in self._rows:
+            if not s.done and which(s):
+                s.finish = "abort"
+                self._on_sample_done(s)
+
+    def _abort_pending(self, req: Request) -> None:
+        self._by_id.pop(req.id, None)
+        req.samples = self._new_samples(req)
+        for s in req.samples:
+            s.finish = "abort"
+        req.finish_all()
+
+    def _fail_all(self, error: Exception, admitted: list[Request]) -> None:
+        requests = {id(s.request): s.request for s in self._rows}
+        requests.update({id(r): r for r in admitted})
+        for req in requests.values():
+            with self._cv:
+                self._by_id.pop(req.id, None)
+            req.resolve(GenerationError(f"generation failed: {error!r}"))
+        self._batch, self._rows = None, []
+
+
+def _stack_prefixes(hits: list[tuple[int, KV | None]], width: int) -> KV:
+    """Left-pad each row's cached prefix to `width` columns and stack them row-wise."""
+    template = next(kv for _, kv in hits if kv is not None)
+    out: KV = []
+    for layer, (k0, v0) in enumerate(template):
+        b, h, _, d = len(hits), k0.shape[1], k0.shape[2], k0.shape[3]
+        keys = k0.new_zeros(b, h, width, d)
+        values = v0.new_zeros(b, h, width, d)
+        for u, (c, kv) in enumerate(hits):
+            if kv is not None and c:
+                keys[u, :, width - c :] = kv[layer][0][0]
+                values[u, :, width - c :] = kv[layer][1][0]
+        out.append((keys, values))
+    return out
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    ids: set[int] = set()
+    for src in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, list | tuple):
+            ids.update(int(x) for x in src)
+    return frozenset(ids)
+
+
+def _strip_wrappers(name: str) -> str:
+    """Names from DDP/FSDP/torch.compile wrappers carry prefixes the bare module lacks."""
+    for prefix in ("module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(prefix, "")
+    return name

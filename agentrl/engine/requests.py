@@ -1,0 +1,118 @@
+"""Request and per-sample state shared by engine backends, and the checks they all make on input."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from agentrl.engine.base import PromptTooLongError
+from agentrl.types import Completion, FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+
+def check_request(
+    prompt_ids: Sequence[int], params: SamplingParams, *, vocab_size: int, max_context: int
+) -> list[int]:
+    """Validate a generate() call before anything is queued; returns the prompt as list[int]."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(
+            f"generate() takes agentrl.SamplingParams, got {type(params).__name__}; "
+            f"build one with SamplingParams(temperature=..., max_tokens=...)"
+        )
+    if isinstance(prompt_ids, str | bytes):
+        raise TypeError("generate() takes token ids, not text; tokenize the prompt first")
+    try:
+        prompt = [int(t) for t in prompt_ids]
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"prompt_ids must be a sequence of int token ids: {e}") from None
+    if not prompt:
+        raise ValueError("prompt_ids is empty; the model needs at least one token to condition on")
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(prompt) + 1 > max_context:
+        raise PromptTooLongError(len(prompt), max_context)
+    return prompt
+
+
+def stop_string_hit(text: str, stops: Sequence[str]) -> str | None:
+    """The first stop string (in `stops` order) that occurs in `text`."""
+    return next((s for s in stops if s and s in text), None)
+
+
+def cut_at_stop(text: str, stop: str | int | None) -> str:
+    """The completion text a user sees: cut before the stop string that ended it (vLLM's rule).
+
+    Completions keep every sampled token (a trainer needs them all); only the text is cut.
+    """
+    if isinstance(stop, str) and stop:
+        i = text.find(stop)
+        if i >= 0:
+            return text[:i]
+    return text
+
+
+@dataclass(eq=False)
+class Sample:
+    """One of the n samples of a request while it is being generated."""
+
+    request: Request
+    index: int
+    generator: torch.Generator | None
+    max_tokens: int
+    version: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    length: int = 0
+    """Real tokens of this sample in the KV cache (prompt + fed completion tokens)."""
+    finish: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def completion(self) -> Completion:
+        params = self.request.params
+        return Completion(
+            token_ids=list(self.tokens),
+            logprobs=list(self.logprobs) if params.logprobs else None,
+            finish_reason=self.finish or "abort",
+            policy_version=self.version,
+            stop_reason=self.stop_reason,
+            top_logprobs=[list(t) for t in self.top] if params.top_logprobs else None,
+        )
+
+
+@dataclass(eq=False)
+class Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    samples: list[Sample] = field(default_factory=list)
+    aborted: bool = False
+
+    def resolve(self, result: list[Completion] | BaseException) -> None:
+        """Hand the result to the awaiting coroutine (thread-safe; no-op if it went away)."""
+
+        def _set() -> None:
+            if self.future.done():
+                return
+            if isinstance(result, BaseException):
+                self.future.set_exception(result)
+            else:
+                self.future.set_result(result)
+
+        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
+            self.loop.call_soon_threadsafe(_set)
+
+    def finish_all(self) -> None:
+        self.resolve([s.completion() for s in self.samples])

@@ -1,0 +1,229 @@
+"""Run many episodes of a `TokenEnv` concurrently against an `Engine` and return Trajectories.
+
+Each episode is a coroutine: it awaits the engine for every turn (the engine batches all the
+episodes' requests together) and runs `reset`/`step` in a thread pool, because env steps may
+block (code execution, graders). Prompt i is reset with seed seeds[i]; its n samples share the
+group id f"{group_prefix}{i}" so GRPO/RLOO baselines can be computed per group.
+
+An episode whose env raises ends there: the trajectory keeps the turns so far, is marked
+truncated and carries `info["error"]`; the other episodes are unaffected. Engine failures
+(other than a context overflow, which truncates the episode) propagate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from agentrl.engine.base import Engine, GenerationError, PromptTooLongError
+from agentrl.envs.base import TokenEnv
+from agentrl.types import Image, SamplingParams, Trajectory, TrajectoryBuilder
+
+
+@dataclasses.dataclass(frozen=True)
+class _Episode:
+    prompt_index: int
+    sample_index: int
+    seed: int | None
+    options: dict[str, Any] | None
+    group: str
+
+
+async def collect(
+    engine: Engine,
+    env_fn: Callable[[], TokenEnv],
+    *,
+    num_prompts: int,
+    n_samples_per_prompt: int = 1,
+    sampling: SamplingParams,
+    seeds: Sequence[int] | None = None,
+    reset_options: Sequence[dict[str, Any] | None] | None = None,
+    max_episode_tokens: int | None = None,
+    max_concurrency: int = 64,
+    progress: bool = False,
+    group_prefix: str = "",
+) -> list[Trajectory]:
+    """Run `num_prompts * n_samples_per_prompt` episodes; results ordered by (prompt, sample).
+
+    Args:
+        engine: the policy.
+        env_fn: returns a fresh env, e.g. `lambda: gym.make(env_id, tokenizer=tok)`.
+        num_prompts: distinct prompts (env resets).
+        n_samples_per_prompt: episodes per prompt, one group.
+        sampling: per-turn sampling; `max_tokens` is the per-turn budget, `n` is ignored
+            (each episode samples one completion per turn). A `seed` makes the whole
+            collection reproducible (each episode and turn derives its own seed from it).
+        seeds: reset seed of each prompt (default: its index).
+        reset_options: reset options of each prompt.
+        max_episode_tokens: budget on all tokens of an episode (prompt, actions, observations);
+            when it runs out the episode ends truncated.
+        max_concurrency: most episodes in flight (and env threads).
+        progress: show a progress bar.
+        group_prefix: prefix of the group ids.
+    """
+    episodes = _plan(num_prompts, n_samples_per_prompt, seeds, reset_options, group_prefix)
+    if max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    if max_episode_tokens is not None and max_episode_tokens < 1:
+        raise ValueError(f"max_episode_tokens must be >= 1 or None, got {max_episode_tokens}")
+    bar = _progress_bar(len(episodes)) if progress else None
+    sem = asyncio.Semaphore(max_concurrency)
+    pool = concurrent.futures.ThreadPoolExecutor(
+        max_workers=min(max_concurrency, 32), thread_name_prefix="agentrl-env"
+    )
+    start, tokens = time.perf_counter(), 0
+
+    async def run(ep: _Episode) -> Trajectory:
+        nonlocal tokens
+        async with sem:
+            traj = await _episode(engine, env_fn, ep, sampling, max_episode_tokens, pool)
+        if bar is not None:
+            tokens += traj.num_policy_tokens
+            bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - start, 1e-9):.0f}")
+            bar.update(1)
+        return traj
+
+    try:
+        return list(await asyncio.gather(*(run(ep) for ep in episodes)))
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        if bar is not None:
+            bar.close()
+
+
+def collect_sync(engine: Engine, env_fn: Callable[[], TokenEnv], **kwargs: Any) -> list[Trajectory]:
+    """`collect` for synchronous callers (same arguments).
+
+    Runs its own event loop; when called from inside a running loop (a notebook), it runs in
+    a helper thread instead.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(collect(engine, env_fn, **kwargs))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as ex:
+        return ex.submit(asyncio.run, collect(engine, env_fn, **kwargs)).result()
+
+
+def _plan(
+    num_prompts: int,
+    n: int,
+    seeds: Sequence[int] | None,
+    options: Sequence[dict[str, Any] | None] | None,
+    prefix: str,
+) -> list[_Episode]:
+    if not isinstance(num_prompts, int) or num_prompts < 0:
+        raise ValueError(f"num_prompts must be an integer >= 0, got {num_prompts!r}")
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n_samples_per_prompt must be an integer >= 1, got {n!r}")
+    for name, seq in (("seeds", seeds), ("reset_options", options)):
+        if seq is not None and len(seq) != num_prompts:
+            raise ValueError(f"{name} has {len(seq)} entries but num_prompts is {num_prompts}")
+    return [
+        _Episode(
+            prompt_index=i,
+            sample_index=j,
+            seed=int(seeds[i]) if seeds is not None else i,
+            options=options[i] if options is not None else None,
+            group=f"{prefix}{i}",
+        )
+        for i in range(num_prompts)
+        for j in range(n)
+    ]
+
+
+async def _episode(
+    engine: Engine,
+    env_fn: Callable[[], TokenEnv],
+    ep: _Episode,
+    sampling: SamplingParams,
+    max_episode_tokens: int | None,
+    pool: concurrent.futures.Executor,
+) -> Trajectory:
+    loop = asyncio.get_running_loop()
+
+    def call(fn: Callable[..., Any], *args: Any, **kw: Any) -> asyncio.Future:
+        return loop.run_in_executor(pool, functools.partial(fn, *args, **kw))
+
+    builder = TrajectoryBuilder(group=ep.group)
+    info: dict[str, Any] = {}
+    terminated = truncated = False
+    env: TokenEnv | None = None
+    try:
+        env = await call(env_fn)
+        obs, info = await call(env.reset, seed=ep.seed, options=ep.options)
+        info = dict(info)
+        context, images = _observe(builder, obs, [], [])
+        turn = 0
+        while True:
+            budget = sampling.max_tokens
+            if max_episode_tokens is not None:
+                budget = min(budget, max_episode_tokens - len(context))
+                if budget < 1:
+                    truncated, info["truncated_by"] = True, "max_episode_tokens"
+                    break
+            params = dataclasses.replace(
+                sampling, n=1, max_tokens=budget, seed=_derive_seed(sampling.seed, ep, turn)
+            )
+            try:
+                [c] = await engine.generate(context, params, images or None)
+            except PromptTooLongError:
+                truncated, info["truncated_by"] = True, "max_context"
+                break
+            step = builder.add_action(
+                c.token_ids,
+                c.logprobs,
+                policy_version=c.policy_version,
+                finish_reason=c.finish_reason,
+            )
+            context.extend(c.token_ids)
+            turn += 1
+            if c.finish_reason == "abort":
+                truncated, info["truncated_by"] = True, "abort"
+                break
+            obs, reward, terminated, truncated, step_info = await call(
+                env.step, np.asarray(c.token_ids, dtype=np.int64)
+            )
+            step.reward = float(reward)
+            info = dict(step_info)
+            context, images = _observe(builder, obs, context, images)
+            if terminated or truncated:
+                break
+    except Exception as e:  # an env failure ends this episode only
+        if isinstance(e, GenerationError):
+            raise
+        truncated, info["error"] = True, repr(e)
+    finally:
+        if env is not None:
+            await call(env.close)
+    info.update(prompt_index=ep.prompt_index, sample_index=ep.sample_index, seed=ep.seed)
+    return builder.build(terminated=bool(terminated), truncated=bool(truncated), info=info)
+
+
+def _observe(
+    builder: TrajectoryBuilder, obs: dict[str, Any], context: list[int], images: list[np.ndarray]
+) -> tuple[list[int], list[np.ndarray]]:
+    tokens = [int(t) for t in np.asarray(obs["tokens"]).reshape(-1)]
+    new_images = [np.asarray(im, dtype=np.uint8) for im in obs.get("images", ())]
+    builder.add_observation(tokens, [Image(pixels=im) for im in new_images])
+    return context + tokens, images + new_images
+
+
+def _derive_seed(seed: int | None, ep: _Episode, turn: int) -> int | None:
+    # Distinct per episode and turn, so the samples of a group differ but reruns repeat.
+    if seed is None:
+        return None
+    return hash((seed, ep.prompt_index, ep.sample_index, turn)) & 0x7FFFFFFF
+
+
+def _progress_bar(total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="rollout", unit="ep", dynamic_ncols=True)

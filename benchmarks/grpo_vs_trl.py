@@ -1,0 +1,142 @@
+"""GRPO step time and peak memory: agentrl vs TRL's GRPOTrainer, same work, same machine.
+
+The work (from the issue): SmolLM2-135M-Instruct (the embedded model, fp32, CPU), 8 chat
+prompts, 2 prompts per step x 4 generations, at most 32 new tokens, lr 1e-6, beta 0,
+temperature 1, reward -|20 - len(completion)| / 20. Each side runs in its own subprocess so
+peak RSS is its own. Per-step time is the median over steps after the first (warm-up).
+
+    .venv/bin/python benchmarks/grpo_vs_trl.py --steps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+PROMPTS = [
+    "What is 2+3?", "What is 7*6?", "Name a primary color.", "What is the capital of France?",
+    "What is 10-4?", "Spell the word cat backwards.", "What is 9+10?",
+    "How many legs does a dog have?",
+]
+
+
+def length_reward(text: str) -> float:
+    return -abs(20 - len(text)) / 20
+
+
+def run_agentrl(steps: int, use_ray: bool) -> dict:
+    import agentrl
+    from trainers.config import ActorConfig, AlgoConfig, RolloutConfig, TrainConfig
+    from trainers.controller import Trainer
+
+    agentrl.register(
+        "bench/LengthReward-v0", agentrl.RewardEnv,
+        dataset=[{"prompt": p} for p in PROMPTS],
+        reward_fn=lambda prompt, response, label: length_reward(response),
+    )
+    run_dir = f"/tmp/agentrl-bench-{os.getpid()}"
+    cfg = TrainConfig(
+        env="bench/LengthReward-v0",
+        actor=ActorConfig(model="smollm2-135m-instruct", lr=1e-6),
+        algo=AlgoConfig(estimator="group_norm", kl_coef=0.0),
+        rollout=RolloutConfig(n_samples_per_prompt=4, prompts_per_step=2, max_new_tokens=32,
+                              temperature=1.0),
+        steps=steps, micro_batch_size=8, use_ray=use_ray, run_dir=run_dir,
+        progress=False, tensorboard=False, seed=42,
+    )
+    t0 = time.perf_counter()
+    Trainer(cfg).run()
+    total = time.perf_counter() - t0
+    rows = [json.loads(x) for x in open(f"{run_dir}/metrics.jsonl")]
+    return {"step_times": [r["time_step"] for r in rows], "total_s": total}
+
+
+def run_trl(steps: int) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from agentrl.models.embedded import embedded_dir, make_trainable
+
+    path = str(embedded_dir())
+    model = AutoModelForCausalLM.from_pretrained(path)
+    make_trainable(model)
+    tok = AutoTokenizer.from_pretrained(path)
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS])
+
+    def reward(completions, **_):
+        return [length_reward(c[0]["content"]) for c in completions]
+
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t)
+
+    cfg = GRPOConfig(
+        output_dir=f"/tmp/trl-bench-{os.getpid()}", per_device_train_batch_size=8,
+        gradient_accumulation_steps=1, num_generations=4, max_completion_length=32,
+        max_steps=steps, learning_rate=1e-6, beta=0.0, temperature=1.0, seed=42,
+        use_vllm=False, bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=True,
+        logging_steps=1, report_to="none", save_strategy="no",
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data,
+                          processing_class=tok, callbacks=[Timer()])
+    t0 = time.perf_counter()
+    trainer.train()
+    return {"step_times": times, "total_s": time.perf_counter() - t0}
+
+
+def _child(which: str, steps: int, use_ray: bool) -> None:
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 2)
+    out = run_trl(steps) if which == "trl" else run_agentrl(steps, use_ray)
+    # ru_maxrss covers this process; Ray workers are separate processes (use_ray=False here).
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps(out))
+
+
+def _spawn(which: str, steps: int, use_ray: bool) -> dict:
+    cmd = [sys.executable, __file__, "--child", which, "--steps", str(steps)]
+    if use_ray:
+        cmd.append("--ray")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"{which} failed:\n{proc.stderr[-3000:]}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--child", choices=["agentrl", "trl"])
+    p.add_argument("--ray", action="store_true", help="agentrl with Ray actors (RSS not comparable)")
+    args = p.parse_args()
+    if args.child:
+        _child(args.child, args.steps, args.ray)
+        return
+    res = {name: _spawn(name, args.steps, args.ray) for name in ("trl", "agentrl")}
+    print(f"steps={args.steps} (median over steps 2..{args.steps}), cpus={os.cpu_count()}")
+    med = {}
+    for name, r in res.items():
+        med[name] = statistics.median(r["step_times"][1:] or r["step_times"])
+        steps_s = ", ".join(f"{t:.2f}" for t in r["step_times"])
+        print(f"{name:8s} median {med[name]:6.2f} s/step  peak RSS {r['peak_rss_mb']:7.0f} MB"
+              f"  steps [{steps_s}]")
+    print(f"speedup agentrl vs TRL: {med['trl'] / med['agentrl']:.2f}x per step; "
+          f"memory ratio agentrl/TRL: {res['agentrl']['peak_rss_mb'] / res['trl']['peak_rss_mb']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

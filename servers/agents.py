@@ -1,0 +1,115 @@
+"""Run black-box agents against the proxy and collect their Trajectories (one session each).
+
+This is how a trainer uses an agent written for any OpenAI-compatible framework: the agent
+only sees a `base_url` and an `api_key`; everything it makes the model generate is recorded
+token-exact by the proxy.
+
+    async def agent(task, base_url, api_key):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key)
+        ...
+        return answer
+
+    trajectories = await run_agents(agent, tasks, app=app, reward_fn=score)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import httpx
+from fastapi import FastAPI
+
+from agentrl.types import Trajectory
+from servers.serving import serve_in_thread
+
+log = logging.getLogger(__name__)
+
+TaskT = TypeVar("TaskT")
+AgentFn = Callable[[TaskT, str, str], object | Awaitable[object]]
+"""(task, base_url, api_key) -> result; sync (run in a thread) or async."""
+RewardFn = Callable[[TaskT, object], float | Awaitable[float]]
+"""(task, agent result) -> reward for the episode."""
+
+
+async def _maybe_await(value: object) -> object:
+    return await value if inspect.isawaitable(value) else value
+
+
+@contextlib.asynccontextmanager
+async def _server(base_url: str | None, app: FastAPI | None) -> AsyncIterator[str]:
+    if (base_url is None) == (app is None):
+        raise ValueError("run_agents needs exactly one of base_url= (a running proxy) or app=")
+    if base_url is not None:
+        yield base_url.rstrip("/").removesuffix("/v1")
+        return
+    with serve_in_thread(app) as url:  # type: ignore[arg-type]
+        yield url
+
+
+async def run_agents(
+    agent_fn: AgentFn,
+    tasks: Sequence[TaskT],
+    *,
+    base_url: str | None = None,
+    app: FastAPI | None = None,
+    reward_fn: RewardFn | None = None,
+    concurrency: int = 16,
+    api_key: str = "agentrl",
+    group_fn: Callable[[int, TaskT], str] | None = None,
+    raise_on_error: bool = False,
+) -> list[Trajectory]:
+    """Run `agent_fn` once per task, each in its own proxy session; return all trajectories.
+
+    base_url: a running proxy (`http://127.0.0.1:8000`); or app: a proxy app to serve on a
+    loopback port for the duration. group_fn(i, task) names the task's group (default: the
+    task index), so repeated tasks share a GRPO/RLOO baseline. An agent that raises is logged
+    and its episode dropped (or re-raised with raise_on_error=True). Trajectories come back in
+    task order; a session with drift yields several (one per segment).
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    sem = asyncio.Semaphore(concurrency)
+    async with _server(base_url, app) as root, httpx.AsyncClient(
+        base_url=root, headers={"authorization": f"Bearer {api_key}"}, timeout=None
+    ) as http:
+
+        async def episode(i: int, task: TaskT) -> list[Trajectory]:
+            async with sem:
+                group = group_fn(i, task) if group_fn else str(i)
+                sid = f"ep{i}-{uuid.uuid4().hex[:12]}"
+                r = await http.post("/sessions", json={"id": sid, "group": group,
+                                                       "info": {"task_index": i}})
+                r.raise_for_status()
+                session_url = f"{root}/sessions/{sid}/v1"
+                try:
+                    if inspect.iscoroutinefunction(agent_fn):
+                        result = await agent_fn(task, session_url, api_key)
+                    else:
+                        result = await _maybe_await(
+                            await asyncio.to_thread(agent_fn, task, session_url, api_key)
+                        )
+                    if reward_fn is not None and (await http.get(f"/sessions/{sid}")).json()[
+                        "num_calls"
+                    ]:
+                        reward = float(await _maybe_await(reward_fn(task, result)))  # type: ignore[arg-type]
+                        r = await http.post(f"/sessions/{sid}/reward", json={"reward": reward})
+                        r.raise_for_status()
+                except Exception:
+                    if raise_on_error:
+                        raise
+                    log.exception("agent failed on task %d; its episode is dropped", i)
+                    await http.delete(f"/sessions/{sid}")
+                    return []
+                await http.post(f"/sessions/{sid}/close")
+                body = (await http.get(f"/sessions/{sid}")).json()
+                await http.delete(f"/sessions/{sid}")
+                return [Trajectory.from_dict(t) for t in body["trajectories"]]
+
+        results = await asyncio.gather(*(episode(i, t) for i, t in enumerate(tasks)))
+    return [traj for episode_trajs in results for traj in episode_trajs]

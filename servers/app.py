@@ -1,0 +1,121 @@
+"""The recording OpenAI-compatible proxy: `create_app(engine, tokenizer, store)`.
+
+Every OpenAI route is served twice: at `/v1/...` and at `/sessions/{session_id}/v1/...`, so a
+framework that only lets you set `base_url` can still bind its calls to a session.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from servers import chat, completions, session_routes
+from servers.config import ProxyConfig, ProxyState
+from servers.deps import GenerateEngine, ImageProcessor, Tokenizer
+from servers.errors import APIError, install_error_handlers
+from servers.generation import check_model, parse_body
+from servers.middleware import ProxyGuard
+from servers.protocol import DetokenizeRequest, TokenizeRequest
+from servers.sessions import InMemorySessionStore, SessionStore
+
+misc = APIRouter()
+
+
+def create_app(
+    engine: GenerateEngine,
+    tokenizer: Tokenizer,
+    store: SessionStore | None = None,
+    *,
+    processor: ImageProcessor | None = None,
+    config: ProxyConfig | None = None,
+) -> FastAPI:
+    """Build the proxy app.
+
+    engine: anything with `max_context` and `async generate(prompt_ids, params, images)`;
+        engines that also have `generate_stream` (see `servers.deps.StreamingEngine`) stream
+        tokens as sampled. tokenizer: a Hugging Face tokenizer with a chat template.
+    store: where sessions live (in memory by default). processor: for vision-language models.
+    """
+    config = config or ProxyConfig()
+    store = store if store is not None else InMemorySessionStore()
+    app = FastAPI(title="agentrl proxy", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.proxy = ProxyState.build(engine, tokenizer, store, config, processor)
+    install_error_handlers(app)
+    for router in (chat.router, completions.router, misc):
+        app.include_router(router)
+        app.include_router(router, prefix="/sessions/{session_id}")
+    app.include_router(session_routes.router)
+    app.add_middleware(
+        ProxyGuard,
+        api_keys=config.api_keys,
+        max_body_bytes=config.max_body_bytes,
+        max_concurrency=config.max_concurrency,
+    )
+    return app
+
+
+def _state(request: Request) -> ProxyState:
+    return request.app.state.proxy
+
+
+def _model_card(state: ProxyState, name: str) -> dict:
+    return {
+        "id": name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "agentrl",
+        "max_model_len": state.engine.max_context,
+    }
+
+
+@misc.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    state = _state(request)
+    return JSONResponse(
+        {"object": "list", "data": [_model_card(state, n) for n in state.model_names]}
+    )
+
+
+@misc.get("/v1/models/{model:path}")
+async def retrieve_model(request: Request, model: str) -> JSONResponse:
+    state = _state(request)
+    check_model(state, model)
+    return JSONResponse(_model_card(state, model))
+
+
+@misc.get("/health")
+async def health(request: Request) -> JSONResponse:
+    state = _state(request)
+    return JSONResponse({"status": "ok", "model": state.config.model_name})
+
+
+@misc.post("/tokenize")
+async def tokenize(request: Request) -> JSONResponse:
+    state = _state(request)
+    req = parse_body(TokenizeRequest, await request.body())
+    if req.model is not None:
+        check_model(state, req.model)
+    if req.messages is not None:
+        rendered = state.renderer.render_chat(
+            req.messages, req.tools, add_generation_prompt=req.add_generation_prompt
+        )
+    else:
+        rendered = state.renderer.render_text(req.prompt or "")
+    return JSONResponse(
+        {"tokens": rendered.ids, "count": len(rendered.ids), "max_model_len": state.engine.max_context}
+    )
+
+
+@misc.post("/detokenize")
+async def detokenize(request: Request) -> JSONResponse:
+    state = _state(request)
+    req = parse_body(DetokenizeRequest, await request.body())
+    if req.model is not None:
+        check_model(state, req.model)
+    vocab = len(state.tokenizer)  # type: ignore[arg-type]
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+                       param="tokens")
+    text = state.tokenizer.decode(req.tokens, skip_special_tokens=False)
+    return JSONResponse({"prompt": text})

@@ -1,0 +1,257 @@
+"""`POST /v1/chat/completions`, streaming (SSE) and not, with tools and logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from agentrl.types import Completion
+from servers.config import ProxyState
+from servers.errors import APIError, error_body
+from servers.generation import (
+    Accumulator,
+    ClientDisconnected,
+    bind_session,
+    check_model,
+    engine_generate,
+    engine_stream,
+    new_id,
+    parse_body,
+    record_call,
+    retry_count,
+    run_unless_disconnected,
+    sampling_params,
+)
+from servers.protocol import ChatCompletionRequest, NamedToolChoice
+from servers.render import Rendered
+from servers.streaming import SSE_DONE, ChoiceText, sse, token_logprob_entries
+from servers.tools import ParseEvent
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+
+def _state(request: Request) -> ProxyState:
+    return request.app.state.proxy
+
+
+class _Call:
+    """One chat request, validated and rendered."""
+
+    def __init__(self, state: ProxyState, request: Request, req: ChatCompletionRequest) -> None:
+        check_model(state, req.model)
+        self.state, self.req = state, req
+        self.session = bind_session(state, request)
+        self.retries = retry_count(request)
+        self.id = new_id("chatcmpl")
+        self.created = int(time.time())
+        use_tools = bool(req.tools) and req.tool_choice != "none"
+        self.tool_names = [t.function.name for t in req.tools or ()] if use_tools else []
+        if isinstance(req.tool_choice, NamedToolChoice):
+            self.tool_names = [req.tool_choice.function.name]
+        self.rendered: Rendered = state.renderer.render_chat(
+            req.messages, req.tools if use_tools else None
+        )
+        self.params = sampling_params(
+            state,
+            prompt_len=len(self.rendered.ids),
+            max_tokens=req.max_new_tokens(),
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            n=req.n,
+            stop=req.stop_tuple(),
+            seed=req.seed,
+            top_logprobs=req.top_logprobs or 0,
+            penalties={
+                "frequency_penalty": req.frequency_penalty,
+                "presence_penalty": req.presence_penalty,
+            },
+        )
+
+    def choice_text(self) -> ChoiceText:
+        parser = self.state.tool_parser(frozenset(self.tool_names)) if self.tool_names else None
+        return ChoiceText(
+            self.state.tokenizer, skip_ids=self.state.skip_ids, stops=self.params.stop,
+            parser=parser,
+        )
+
+    def logprobs(self, token_ids: list[int], lps: list[float] | None, top: object) -> dict | None:
+        if not self.req.logprobs:
+            return None
+        entries = token_logprob_entries(
+            self.state.tokenizer, token_ids, lps, top, self.state.skip_ids  # type: ignore[arg-type]
+        )
+        return {"content": entries, "refusal": None}
+
+    def record(self, completions: list[Completion], *, aborted: bool) -> None:
+        record_call(
+            self.session,
+            call_id=self.id,
+            prompt_ids=self.rendered.ids,
+            completions=completions,
+            images=self.rendered.images,
+            aborted=aborted,
+            retries=self.retries,
+        )
+
+    def usage(self, completions: list[Completion]) -> dict:
+        prompt = len(self.rendered.ids)
+        done = sum(len(c.token_ids) for c in completions)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+
+def _finish(engine_reason: str | None, text: ChoiceText) -> str:
+    if text.calls:
+        return "tool_calls"
+    if text.stopped:
+        return "stop"
+    return "length" if engine_reason == "length" else "stop"
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = _state(request)
+    req = parse_body(ChatCompletionRequest, await request.body())
+    call = _Call(state, request, req)
+    if call.session is not None:
+        call.session.in_flight += 1
+    try:
+        if req.stream:
+            return StreamingResponse(
+                _stream(call, request),
+                media_type="text/event-stream",
+                headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+            )
+        return await _complete(call, request)
+    finally:
+        if call.session is not None and not req.stream:
+            call.session.in_flight -= 1
+
+
+async def _complete(call: _Call, request: Request) -> Response:
+    rendered = call.rendered
+    try:
+        completions = await run_unless_disconnected(
+            request, engine_generate(call.state, rendered.ids, call.params, rendered.images)
+        )
+    except ClientDisconnected:
+        call.record([], aborted=True)
+        return Response(status_code=499)
+    call.record(completions, aborted=False)
+    choices = []
+    for i, c in enumerate(completions):
+        text = call.choice_text()
+        text.push(c.token_ids)
+        text.finish()
+        message: dict = {"role": "assistant", "content": text.content, "refusal": None}
+        if text.calls:
+            message["content"] = text.content or None
+            message["tool_calls"] = [tc.as_message_dict() for tc in text.calls]
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "finish_reason": _finish(c.finish_reason, text),
+                "logprobs": call.logprobs(c.token_ids, c.logprobs, c.top_logprobs),
+            }
+        )
+    return JSONResponse(
+        {
+            "id": call.id,
+            "object": "chat.completion",
+            "created": call.created,
+            "model": call.req.model,
+            "choices": choices,
+            "usage": call.usage(completions),
+        }
+    )
+
+
+def _chunk(call: _Call, choices: list[dict], usage: bool) -> dict:
+    out = {
+        "id": call.id,
+        "object": "chat.completion.chunk",
+        "created": call.created,
+        "model": call.req.model,
+        "choices": choices,
+    }
+    if usage:
+        out["usage"] = None
+    return out
+
+
+def _event_deltas(text: ChoiceText, events: list[ParseEvent]) -> list[dict]:
+    deltas: list[dict] = []
+    for e in events:
+        if e.call is None:
+            deltas.append({"content": e.content})
+            continue
+        k = text.calls.index(e.call)
+        first = {"index": k, "id": e.call.id, "type": "function",
+                 "function": {"name": e.call.name, "arguments": ""}}
+        deltas.append({"tool_calls": [first]})
+        deltas.append({"tool_calls": [{"index": k, "function": {"arguments": e.call.arguments}}]})
+    return deltas
+
+
+async def _stream(call: _Call, request: Request) -> AsyncIterator[bytes]:
+    req = call.req
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    texts = [call.choice_text() for _ in range(req.n)]
+    accs = [Accumulator() for _ in range(req.n)]
+    finished = 0
+    status = "aborted"
+    try:
+        for i in range(req.n):
+            role = {"index": i, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None}
+            yield sse(_chunk(call, [role], include_usage))
+        rendered = call.rendered
+        async for d in engine_stream(call.state, rendered.ids, call.params, rendered.images):
+            i = d.index
+            accs[i].add(d)  # type: ignore[arg-type]
+            text = texts[i]
+            deltas = _event_deltas(text, text.push(d.token_ids))
+            lp = call.logprobs(d.token_ids, d.logprobs, d.top_logprobs)
+            if lp is not None and not deltas and d.token_ids:
+                deltas = [{"content": ""}]
+            for j, delta in enumerate(deltas):
+                choice = {"index": i, "delta": delta, "logprobs": lp if j == 0 else None,
+                          "finish_reason": None}
+                yield sse(_chunk(call, [choice], include_usage))
+            if d.finish_reason is not None:
+                finished += 1
+                for delta in _event_deltas(text, text.finish()):
+                    choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+                    yield sse(_chunk(call, [choice], include_usage))
+                final = {"index": i, "delta": {}, "logprobs": None,
+                         "finish_reason": _finish(d.finish_reason, text)}
+                yield sse(_chunk(call, [final], include_usage))
+        if finished < req.n or any(a.finish_reason == "abort" for a in accs):
+            raise APIError(503, "the engine ended the stream early (aborted); retry",
+                           retry_after=1)
+        status = "done"
+        if include_usage:
+            usage = call.usage([a.completion() for a in accs])
+            yield sse({**_chunk(call, [], False), "usage": usage})
+    except asyncio.CancelledError:
+        raise  # client disconnected: the engine stream is closed, the call recorded aborted
+    except APIError as e:
+        status = "error"
+        yield sse(error_body(e.status, e.message, e.code, e.param))
+    except Exception as e:  # noqa: BLE001 - an engine failure mid-stream becomes an error chunk
+        log.exception("engine failed mid-stream")
+        status = "error"
+        yield sse(error_body(500, f"the engine failed mid-stream: {type(e).__name__}: {e}",
+                             None, None))
+    finally:
+        if call.session is not None:
+            call.session.in_flight -= 1
+        call.record([a.completion() for a in accs], aborted=status != "done")
+    yield SSE_DONE

@@ -1,0 +1,98 @@
+"""`agentrl serve --model NAME`: the recording proxy on a real engine, with uvicorn."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import sys
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeArgs:
+    """Serve a model through the recording OpenAI-compatible proxy."""
+
+    model: str
+    """Model name (`embedded`, `tiny`) or a local Hugging Face model directory."""
+    host: str = "127.0.0.1"
+    """Address to bind. Loopback by default; anything else exposes the proxy on the network."""
+    port: int = 8000
+    """TCP port (0 picks a free one)."""
+    served_model_name: str | None = None
+    """Name clients put in `model` (default: the --model value)."""
+    api_key: tuple[str, ...] = ()
+    """Require one of these keys as `Authorization: Bearer <key>` (default: no auth)."""
+    max_concurrency: int = 1024
+    """Most generation requests in flight; more get 503 + Retry-After."""
+    tool_parser: str = "hermes"
+    """How tool calls are read from model text (see servers.tools.TOOL_PARSERS)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tyro
+    import uvicorn
+
+    args = tyro.cli(ServeArgs, args=argv, prog="agentrl serve")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if not _is_loopback(args.host) and not args.api_key:
+        log.warning("binding %s without --api-key: anyone who can reach it can use it", args.host)
+    try:
+        from agentrl.engine import create_engine  # type: ignore[attr-defined]
+    except ImportError:
+        print("agentrl serve: this install has no transformers engine "
+              "(agentrl.engine.create_engine is missing)", file=sys.stderr)
+        return 1
+    from agentrl.models import load_tokenizer
+    from servers.app import create_app
+    from servers.config import ProxyConfig
+
+    tokenizer = load_tokenizer(args.model)
+    engine = create_engine(args.model, tokenizer=tokenizer)
+    name = args.served_model_name or args.model
+    app = create_app(
+        engine,
+        tokenizer,
+        config=ProxyConfig(model_name=name, api_keys=args.api_key,
+                           max_concurrency=args.max_concurrency, tool_parser=args.tool_parser),
+    )
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    server = uvicorn.Server(config)
+
+    async def announce() -> None:
+        port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
+        base = f"http://{args.host}:{port}"
+        print(f"agentrl proxy serving {name!r}\n  OpenAI base_url: {base}/v1\n"
+              f"  per-session base_url: {base}/sessions/<session-id>/v1\n"
+              f"  trajectories: GET {base}/sessions/<session-id>", flush=True)
+
+    _run_with_announce(server, announce)
+    return 0
+
+
+def _run_with_announce(server: object, announce: object) -> None:
+    import asyncio
+
+    async def run() -> None:
+        task = asyncio.create_task(server.serve())  # type: ignore[attr-defined]
+        while not server.started and not task.done():  # type: ignore[attr-defined]
+            await asyncio.sleep(0.05)
+        if not task.done():
+            await announce()  # type: ignore[operator]
+        await task
+
+    asyncio.run(run())

@@ -1,0 +1,84 @@
+"""Proxy settings and the state shared by its routes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from servers.deps import GenerateEngine, ImageProcessor, Tokenizer
+from servers.render import ChatRenderer
+from servers.sessions import SessionStore
+from servers.tools import ToolParserFactory, get_tool_parser
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProxyConfig:
+    """How the proxy serves and guards itself."""
+
+    model_name: str = "agentrl"
+    """Name reported by /v1/models; requests must name it (or one of `aliases`)."""
+    aliases: tuple[str, ...] = ()
+    """Other model names accepted as the same model."""
+    api_keys: tuple[str, ...] = ()
+    """If non-empty, every /v1 and /sessions request needs `Authorization: Bearer <key>`."""
+    max_body_bytes: int = 32 * 2**20
+    """Largest request body accepted (413 beyond); images as data URLs count."""
+    max_concurrency: int = 1024
+    """Most generation requests in flight at once; more get 503 + Retry-After."""
+    max_session_concurrency: int = 64
+    """Most generation requests in flight per session; more get 429 + Retry-After."""
+    max_tokens_default: int | None = None
+    """Cap on new tokens when the request sets none (None: up to the context length)."""
+    tool_parser: str = "hermes"
+    """Name in `servers.tools.TOOL_PARSERS`."""
+    auto_create_sessions: bool = True
+    """Create a session on first use of its id; if false, unknown ids get 404."""
+    session_api_key_prefix: str = "session-"
+    """An api key `session-<id>` binds the call to session `<id>` (when auth is off)."""
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_concurrency < 1 or self.max_session_concurrency < 1:
+            raise ValueError(
+                f"max_concurrency and max_session_concurrency must be >= 1, got "
+                f"{self.max_concurrency} and {self.max_session_concurrency}"
+            )
+        get_tool_parser(self.tool_parser)
+
+
+@dataclass
+class ProxyState:
+    engine: GenerateEngine
+    tokenizer: Tokenizer
+    store: SessionStore
+    config: ProxyConfig
+    renderer: ChatRenderer
+    tool_parser: ToolParserFactory
+    skip_ids: frozenset[int]
+    created: int = field(default_factory=lambda: int(time.time()))
+    in_flight: int = 0
+
+    @classmethod
+    def build(
+        cls,
+        engine: GenerateEngine,
+        tokenizer: Tokenizer,
+        store: SessionStore,
+        config: ProxyConfig,
+        processor: ImageProcessor | None,
+    ) -> ProxyState:
+        special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        return cls(
+            engine=engine,
+            tokenizer=tokenizer,
+            store=store,
+            config=config,
+            renderer=ChatRenderer(tokenizer, processor),
+            tool_parser=get_tool_parser(config.tool_parser),
+            skip_ids=frozenset(special),
+        )
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.config.model_name, *self.config.aliases)

@@ -1,0 +1,275 @@
+"""What every generation endpoint shares: model check, session binding, sampling params, running
+the engine so a client disconnect aborts it, and recording the call into its session."""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from agentrl.engine.base import PromptTooLongError
+from agentrl.types import Completion, Image, SamplingParams
+from servers.config import ProxyState
+from servers.deps import StreamingEngine
+from servers.errors import APIError, validation_message
+from servers.sessions import CallRecord, Session
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+def parse_body(model: type[M], raw: bytes) -> M:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        message, param = validation_message(e)
+        raise APIError(400, message, param=param) from None
+
+
+def check_model(state: ProxyState, name: str) -> None:
+    if name in state.model_names:
+        return
+    hint = difflib.get_close_matches(name, state.model_names, n=1)
+    did_you_mean = f" Did you mean {hint[0]!r}?" if hint else ""
+    raise APIError(
+        404,
+        f"the model {name!r} does not exist.{did_you_mean} This server serves "
+        f"{list(state.model_names)} (see GET /v1/models)",
+        code="model_not_found",
+        param="model",
+    )
+
+
+def bind_session(state: ProxyState, request: Request) -> Session | None:
+    """The session named by the path, the `X-Session-Id` header or a `session-<id>` api key."""
+    sid = request.path_params.get("session_id") or request.headers.get("x-session-id")
+    if sid is None and not state.config.api_keys:
+        auth = request.headers.get("authorization", "")
+        key = auth.removeprefix("Bearer ").strip()
+        prefix = state.config.session_api_key_prefix
+        if prefix and key.startswith(prefix) and len(key) > len(prefix):
+            sid = key[len(prefix) :]
+    if sid is None:
+        return None
+    session = state.store.get(sid)
+    if session is None:
+        if not state.config.auto_create_sessions:
+            raise APIError(
+                404, f"unknown session {sid!r}; create it with POST /sessions first",
+                code="session_not_found",
+            )
+        try:
+            session = state.store.create(sid)
+        except KeyError:  # created concurrently
+            session = state.store.get(sid)
+            assert session is not None
+    if session.closed:
+        raise APIError(
+            400, f"session {sid!r} is closed; start a new session for a new episode",
+            code="session_closed",
+        )
+    if session.in_flight >= state.config.max_session_concurrency:
+        raise APIError(
+            429,
+            f"session {sid!r} already has {session.in_flight} requests in flight (limit "
+            f"{state.config.max_session_concurrency}); retry later",
+            code="rate_limit_exceeded",
+            retry_after=1,
+        )
+    return session
+
+
+def sampling_params(
+    state: ProxyState,
+    *,
+    prompt_len: int,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    n: int,
+    stop: tuple[str, ...],
+    seed: int | None,
+    top_logprobs: int,
+    penalties: dict[str, float | None],
+) -> SamplingParams:
+    max_context = state.engine.max_context
+    remaining = max_context - prompt_len
+    if remaining < 1:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_context} tokens, but the messages "
+            f"take {prompt_len} tokens. Shorten the messages to at most {max_context - 1} "
+            f"tokens.",
+            code="context_length_exceeded",
+            param="messages",
+        )
+    if max_tokens is None:
+        max_tokens = state.config.max_tokens_default or remaining
+    for name, value in penalties.items():
+        if value and name not in _warned:
+            _warned.add(name)
+            log.warning("%s=%s is accepted but ignored by this engine", name, value)
+    return SamplingParams(
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=top_k or 0,
+        max_tokens=min(max_tokens, remaining),
+        stop=stop,
+        n=n,
+        seed=seed,
+        logprobs=True,
+        top_logprobs=top_logprobs,
+    )
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def retry_count(request: Request) -> int:
+    try:
+        return int(request.headers.get("x-stainless-retry-count", "0"))
+    except ValueError:
+        return 0
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client goes away first, cancel it (which aborts the engine)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
+        raise ClientDisconnected
+    return task.result()
+
+
+async def engine_generate(
+    state: ProxyState, prompt_ids: list[int], params: SamplingParams, images: list[Image]
+) -> list[Completion]:
+    try:
+        completions = await state.engine.generate(
+            prompt_ids, params, [im.pixels for im in images] or None
+        )
+    except PromptTooLongError as e:
+        raise APIError(400, str(e), code="context_length_exceeded", param="messages") from e
+    if any(c.finish_reason == "abort" for c in completions):
+        raise APIError(503, "the engine aborted the request (e.g. a weight update); retry",
+                       retry_after=1)
+    return completions
+
+
+@dataclass
+class _Delta:
+    index: int
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+    finish_reason: str | None
+    policy_version: int = 0
+
+
+async def engine_stream(
+    state: ProxyState, prompt_ids: list[int], params: SamplingParams, images: list[Image]
+) -> AsyncIterator[_Delta]:
+    """Token deltas from the engine: native streaming if it has it, else generate-then-chunk."""
+    pixels = [im.pixels for im in images] or None
+    engine = state.engine
+    if isinstance(engine, StreamingEngine):
+        try:
+            async for d in engine.generate_stream(prompt_ids, params, pixels):
+                yield d  # type: ignore[misc]
+        except PromptTooLongError as e:
+            raise APIError(400, str(e), code="context_length_exceeded") from e
+        return
+    completions = await engine_generate(state, prompt_ids, params, images)
+    longest = max((len(c.token_ids) for c in completions), default=0)
+    for j in range(max(longest, 1)):
+        for i, c in enumerate(completions):
+            if j >= len(c.token_ids) and not (j == 0 and not c.token_ids):
+                continue
+            last = j >= len(c.token_ids) - 1
+            yield _Delta(
+                index=i,
+                token_ids=c.token_ids[j : j + 1],
+                logprobs=c.logprobs[j : j + 1] if c.logprobs is not None else None,
+                top_logprobs=c.top_logprobs[j : j + 1] if c.top_logprobs else None,
+                finish_reason=c.finish_reason if last else None,
+                policy_version=c.policy_version,
+            )
+
+
+@dataclass
+class Accumulator:
+    """Collects one choice's streamed deltas back into a Completion for the session."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    policy_version: int = 0
+
+    def add(self, d: _Delta) -> None:
+        self.token_ids.extend(d.token_ids)
+        lps = d.logprobs if d.logprobs is not None else [0.0] * len(d.token_ids)
+        self.logprobs.extend(float(x) for x in lps)
+        self.policy_version = d.policy_version
+        if d.finish_reason is not None:
+            self.finish_reason = d.finish_reason
+
+    def completion(self) -> Completion:
+        reason = self.finish_reason if self.finish_reason in ("stop", "length") else "abort"
+        return Completion(
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            finish_reason=reason,  # type: ignore[arg-type]
+            policy_version=self.policy_version,
+        )
+
+
+def record_call(
+    session: Session | None,
+    *,
+    call_id: str,
+    prompt_ids: Sequence[int],
+    completions: list[Completion],
+    images: list[Image],
+    aborted: bool,
+    retries: int,
+) -> None:
+    if session is None:
+        return
+    session.record(
+        CallRecord(
+            call_id=call_id,
+            prompt_ids=list(prompt_ids),
+            choices=completions,
+            images=images,
+            aborted=aborted,
+            retry_count=retries,
+        )
+    )

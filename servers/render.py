@@ -1,0 +1,236 @@
+"""Turn OpenAI chat messages into prompt token ids through the model's own chat template.
+
+Templates differ in what they understand. At start-up the renderer probes the template once:
+does it render `tools`, assistant `tool_calls`, list-of-parts content? Whatever it cannot render
+is rewritten into what it can, in the Hermes/Qwen convention the tool parser reads back:
+tool schemas folded into the system message, tool calls as `<tool_call>{json}</tool_call>`
+text, tool results as `<tool_response>` user turns. Images become the processor's image token,
+expanded to as many placeholder ids as the processor says.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from agentrl.types import Image
+from servers.deps import ImageProcessor, Tokenizer
+from servers.errors import APIError
+from servers.protocol import ChatMessage, ToolDef
+
+if TYPE_CHECKING:
+    Message = dict[str, object]
+
+_PROBE = "agentrl_probe_fn"
+_TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+)
+_TOOLS_POSTAMBLE = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+
+@dataclass
+class Rendered:
+    """A prompt ready for the engine."""
+
+    ids: list[int]
+    images: list[Image] = field(default_factory=list)
+
+
+class ChatRenderer:
+    """Renders chat requests for one tokenizer (and optional image processor)."""
+
+    def __init__(self, tokenizer: Tokenizer, processor: ImageProcessor | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.supports_tools = self._probe(
+            [{"role": "user", "content": "hi"}],
+            tools=[{"type": "function", "function": {"name": _PROBE, "parameters": {}}}],
+        )
+        self.supports_tool_calls = self._probe(
+            [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "c", "type": "function",
+                         "function": {"name": _PROBE, "arguments": {}}}
+                    ],
+                },
+            ]
+        )
+        self.supports_parts = self._probe(
+            [{"role": "user", "content": [{"type": "text", "text": _PROBE}]}]
+        )
+
+    def _probe(self, messages: list[dict], tools: list[dict] | None = None) -> bool:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
+            )
+        except Exception:  # noqa: BLE001 - any template failure means "not supported"
+            return False
+        return _PROBE in str(text)
+
+    # -- chat -------------------------------------------------------------------------------
+
+    def render_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[ToolDef] | None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> Rendered:
+        images: list[np.ndarray] = []
+        msgs = [self._message(m, images) for m in messages]
+        tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        if tool_dicts and not self.supports_tools:
+            msgs = _fold_tools(msgs, tool_dicts)
+            tool_dicts = None
+        try:
+            text = self.tokenizer.apply_chat_template(
+                msgs, tools=tool_dicts, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except Exception as e:  # noqa: BLE001 - template errors are the caller's messages
+            raise APIError(
+                400, f"the model's chat template cannot render these messages: {e}",
+                param="messages",
+            ) from e
+        return self._encode(str(text), images)
+
+    def render_text(self, text: str) -> Rendered:
+        return Rendered(ids=list(self.tokenizer.encode(text, add_special_tokens=False)))
+
+    def _encode(self, text: str, pixels: list[np.ndarray]) -> Rendered:
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if not pixels:
+            return Rendered(ids=ids)
+        assert self.processor is not None  # _message rejects images without a processor
+        token = self.processor.image_token_id
+        out: list[int] = []
+        placed: list[Image] = []
+        it = iter(pixels)
+        for tid in ids:
+            if tid != token:
+                out.append(tid)
+                continue
+            px = next(it, None)
+            if px is None:  # more placeholders than images: the text itself contained one
+                out.append(tid)
+                continue
+            k = self.processor.num_image_tokens(px)
+            placed.append(Image(pixels=px, start=len(out), end=len(out) + k))
+            out.extend([token] * k)
+        if len(placed) != len(pixels):
+            raise APIError(
+                400,
+                f"{len(pixels)} image(s) sent but the chat template placed {len(placed)} image "
+                f"token(s); this template does not render image parts",
+                param="messages",
+            )
+        return Rendered(ids=out, images=placed)
+
+    def _message(self, m: ChatMessage, images: list[np.ndarray]) -> dict:
+        role = "system" if m.role == "developer" else m.role
+        out: dict = {"role": role}
+        if m.name is not None:
+            out["name"] = m.name
+        content = m.content
+        if isinstance(content, list):
+            has_image = any(p.type == "image_url" for p in content)
+            for p in content:
+                if p.type == "image_url":
+                    images.append(self._decode_image(p.image_url.url))
+            if self.supports_parts and not (has_image and self.processor is None):
+                content = [
+                    {"type": "text", "text": p.text} if p.type == "text" else {"type": "image"}
+                    for p in content
+                ]
+            else:
+                image_text = self.processor.image_token if self.processor else ""
+                content = "".join(p.text if p.type == "text" else image_text for p in content)
+        calls = [_call_dict(c) for c in m.tool_calls or ()]
+        if calls and not self.supports_tool_calls:
+            text = content if isinstance(content, str) else ""
+            content = text + "".join(_hermes_call_text(c) for c in calls)
+            calls = []
+        if calls:
+            out["tool_calls"] = calls
+        if m.tool_call_id is not None:
+            out["tool_call_id"] = m.tool_call_id
+        if content is None and not self.supports_tool_calls:
+            content = ""
+        out["content"] = content
+        return out
+
+    def _decode_image(self, url: str) -> np.ndarray:
+        if self.processor is None:
+            raise APIError(
+                400,
+                "this model has no image processor, so it cannot take image_url parts; send "
+                "text only or serve a vision-language model",
+                param="messages",
+            )
+        head, sep, data = url.partition(",")
+        if not (url.startswith("data:image/") and sep and head.endswith(";base64")):
+            raise APIError(
+                400,
+                "image_url must be a base64 data URL (data:image/png;base64,...); the proxy "
+                "does not fetch remote URLs",
+                param="messages",
+            )
+        try:
+            from PIL import Image as PILImage
+
+            img = PILImage.open(io.BytesIO(base64.b64decode(data, validate=True)))
+            return np.asarray(img.convert("RGB"), dtype=np.uint8)
+        except (binascii.Error, ValueError, OSError) as e:
+            raise APIError(400, f"image_url data could not be decoded as an image: {e}",
+                           param="messages") from e
+
+
+def _call_dict(call: object) -> dict:
+    fn = call.function  # type: ignore[attr-defined]
+    args: object = fn.arguments
+    if isinstance(args, str):
+        # As vLLM does: templates (Qwen2.5, Hermes) expect a mapping and `tojson` it.
+        try:
+            parsed = json.loads(args) if args.strip() else {}
+            args = parsed if isinstance(parsed, dict) else args
+        except json.JSONDecodeError:
+            pass
+    return {
+        "id": call.id or "call_0",  # type: ignore[attr-defined]
+        "type": "function",
+        "function": {"name": fn.name, "arguments": args},
+    }
+
+
+def _hermes_call_text(call: dict) -> str:
+    fn = call["function"]
+    args = fn["arguments"]
+    args_text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    return f'<tool_call>\n{{"name": {json.dumps(fn["name"])}, "arguments": {args_text}}}\n</tool_call>'
+
+
+def _fold_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """Put the tool schemas into the system message for templates that ignore `tools`."""
+    schemas = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    block = _TOOLS_PREAMBLE + schemas + _TOOLS_POSTAMBLE
+    if messages and messages[0]["role"] == "system" and isinstance(messages[0]["content"], str):
+        first = dict(messages[0])
+        first["content"] = f"{first['content']}\n\n{block}"
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": block}, *messages]

@@ -1,0 +1,259 @@
+"""Sessions: every call's exact prompt ids and sampled ids, merged into Trajectories.
+
+A session is an append-only log of calls. Trajectories are rebuilt from the log by one rule:
+
+    a call whose prompt ids start with the running ids of an open branch (that branch's
+    prompt + sampled ids so far) extends it: the new suffix is an observation, the sampled
+    tokens an action. Otherwise the call starts a new segment and counts as a drift event.
+
+A call with n > 1 choices forks its branch into n (choice i gets action i); a later call
+extends whichever fork its prompt continues, longest match first. A retried request
+(`x-stainless-retry-count > 0`) replaces the latest call with the same prompt ids instead of
+adding a duplicate turn. Aborted calls (client disconnect) are kept in the log, marked, and
+left out of the trajectories: the client never saw them, so no later call continues them.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from agentrl.types import Completion, Image, Trajectory, TrajectoryBuilder
+
+
+@dataclass
+class CallRecord:
+    """One proxied generation call, exactly as the engine saw and produced it."""
+
+    call_id: str
+    prompt_ids: list[int]
+    choices: list[Completion]
+    images: list[Image] = field(default_factory=list)
+    """Images in the prompt with their placeholder positions (prompt-relative)."""
+    aborted: bool = False
+    retry_count: int = 0
+    created: float = field(default_factory=time.time)
+
+
+@dataclass
+class RewardRecord:
+    value: float
+    call_id: str | None
+    choice: int | None
+
+
+@dataclass
+class _Branch:
+    builder: TrajectoryBuilder
+    calls: list[tuple[str, int]]  # (call_id, choice) per turn
+    drift: bool
+    """True when this branch started because a call did not extend the previous context."""
+
+    def fork(self) -> _Branch:
+        return _Branch(copy.deepcopy(self.builder), list(self.calls), self.drift)
+
+
+class Session:
+    """One agent episode (or several segments of it). Not thread-safe by itself; see the store."""
+
+    def __init__(self, session_id: str, *, group: str | None = None, info: dict | None = None):
+        self.id = session_id
+        self.group = group
+        self.info: dict = dict(info or {})
+        self.created = time.time()
+        self.closed = False
+        self.terminated = False
+        self.truncated = False
+        self.calls: list[CallRecord] = []
+        self.rewards: list[RewardRecord] = []
+        self.replaced_calls = 0
+        self.in_flight = 0
+        self._cache: tuple[list[Trajectory], int] | None = None
+        self._version = 0
+
+    # -- recording ------------------------------------------------------------------------
+
+    def record(self, call: CallRecord) -> None:
+        if call.retry_count > 0:
+            for i in range(len(self.calls) - 1, -1, -1):
+                if self.calls[i].prompt_ids == call.prompt_ids:
+                    del self.calls[i]
+                    self.replaced_calls += 1
+                    break
+        self.calls.append(call)
+        self._version += 1
+
+    def add_reward(
+        self,
+        value: float,
+        *,
+        call_id: str | None = None,
+        choice: int | None = None,
+        terminated: bool = True,
+        truncated: bool = False,
+        info: dict | None = None,
+    ) -> None:
+        if call_id is not None and not any(c.call_id == call_id for c in self.calls):
+            known = [c.call_id for c in self.calls[-5:]]
+            raise KeyError(f"session {self.id!r} has no call {call_id!r}; recent calls: {known}")
+        if call_id is None and not self.completed_calls():
+            raise KeyError(f"session {self.id!r} has no completed call to reward yet")
+        self.rewards.append(RewardRecord(float(value), call_id, choice))
+        self.terminated = self.terminated or terminated
+        self.truncated = self.truncated or truncated
+        self.info.update(info or {})
+        self._version += 1
+
+    def close(self) -> None:
+        self.closed = True
+        self._version += 1
+
+    def completed_calls(self) -> list[CallRecord]:
+        return [c for c in self.calls if not c.aborted]
+
+    # -- merging --------------------------------------------------------------------------
+
+    def trajectories(self) -> list[Trajectory]:
+        """One Trajectory per segment (and per choice of n > 1 forks), in creation order."""
+        if self._cache is not None and self._cache[1] == self._version:
+            return self._cache[0]
+        branches = self._merge()
+        last = self.completed_calls()[-1].call_id if self.completed_calls() else None
+        rewards: dict[tuple[str, int | None], float] = {}
+        for r in self.rewards:
+            key = (r.call_id or last or "", r.choice)
+            rewards[key] = rewards.get(key, 0.0) + r.value
+        out = []
+        for seg, b in enumerate(branches):
+            for turn, (call_id, choice) in zip(b.builder.turns, b.calls, strict=True):
+                turn.reward = rewards.get((call_id, None), 0.0) + rewards.get(
+                    (call_id, choice), 0.0
+                )
+            traj = b.builder.build(
+                terminated=self.terminated,
+                truncated=self.truncated,
+                info={
+                    **self.info,
+                    "session_id": self.id,
+                    "segment": seg,
+                    "drift": b.drift,
+                    "calls": [c for c, _ in b.calls],
+                    "choices": [i for _, i in b.calls],
+                },
+            )
+            traj.uid = f"{self.id}-{seg}"
+            out.append(traj)
+        self._cache = (out, self._version)
+        return out
+
+    @property
+    def drift_events(self) -> int:
+        return sum(b.drift for b in self._merge())
+
+    def _merge(self) -> list[_Branch]:
+        branches: list[_Branch] = []
+        leaves: list[int] = []  # indices into branches that can still be extended
+        for call in self.completed_calls():
+            best = _longest_prefix_leaf(branches, leaves, call.prompt_ids)
+            if best is None:
+                base = _Branch(TrajectoryBuilder(group=self.group), [], drift=bool(branches))
+                base_len = 0
+            else:
+                base = branches[best]
+                leaves.remove(best)
+                base_len = len(base.builder.token_ids)
+            new_images = [_shift(im) for im in call.images if im.start >= base_len]
+            forks = [base] + [base.fork() for _ in call.choices[1:]]
+            for i, (b, comp) in enumerate(zip(forks, call.choices, strict=True)):
+                b.builder.add_observation(call.prompt_ids[base_len:], new_images)
+                b.builder.add_action(
+                    comp.token_ids,
+                    comp.logprobs,
+                    policy_version=comp.policy_version,
+                    finish_reason=comp.finish_reason,
+                )
+                b.calls.append((call.call_id, i))
+                if i == 0 and best is not None:
+                    leaves.append(best)
+                else:
+                    branches.append(b)
+                    leaves.append(len(branches) - 1)
+        return branches
+
+    def summary(self) -> dict:
+        done = self.completed_calls()
+        return {
+            "id": self.id,
+            "object": "session",
+            "created": int(self.created),
+            "group": self.group,
+            "closed": self.closed,
+            "num_calls": len(done),
+            "aborted_calls": len(self.calls) - len(done),
+            "replaced_calls": self.replaced_calls,
+            "drift_events": self.drift_events,
+            "num_trajectories": len(self._merge()),
+            "reward": sum(r.value for r in self.rewards),
+        }
+
+
+def _longest_prefix_leaf(
+    branches: list[_Branch], leaves: list[int], prompt: Sequence[int]
+) -> int | None:
+    best, best_len = None, -1
+    for i in leaves:
+        ids = branches[i].builder.token_ids
+        n = len(ids)
+        if best_len < n <= len(prompt) and prompt[:n] == ids:
+            best, best_len = i, n
+    return best
+
+
+def _shift(im: Image) -> Image:
+    # Prompt positions equal trajectory positions: the prompt extends the branch's ids.
+    return Image(pixels=im.pixels, start=im.start, end=im.end)
+
+
+class SessionStore(Protocol):
+    def get(self, session_id: str) -> Session | None: ...
+    def create(
+        self, session_id: str | None = None, *, group: str | None = None, info: dict | None = None
+    ) -> Session: ...
+    def list(self) -> list[Session]: ...
+    def delete(self, session_id: str) -> bool: ...
+
+
+class InMemorySessionStore:
+    """Sessions in a dict. A lock guards the dict so a trainer thread may read while the
+    server's event loop records."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def get(self, session_id: str) -> Session | None:
+        return self._sessions.get(session_id)
+
+    def create(
+        self, session_id: str | None = None, *, group: str | None = None, info: dict | None = None
+    ) -> Session:
+        with self._lock:
+            sid = session_id or uuid.uuid4().hex
+            if sid in self._sessions:
+                raise KeyError(f"session {sid!r} already exists")
+            session = Session(sid, group=group, info=info)
+            self._sessions[sid] = session
+            return session
+
+    def list(self) -> list[Session]:
+        with self._lock:
+            return list(self._sessions.values())
+
+    def delete(self, session_id: str) -> bool:
+        with self._lock:
+            return self._sessions.pop(session_id, None) is not None

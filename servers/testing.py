@@ -1,0 +1,160 @@
+"""Deterministic fake engines for tests and the overhead benchmark (no model, no torch).
+
+`FakeEngine` answers with scripted text after a fixed latency; `StreamingFakeEngine` also
+streams it token by token with a fixed per-token latency. Both follow the Engine contract the
+proxy relies on: `n` choices, `max_tokens` -> finish `length`, stop strings cut the text,
+logprobs aligned with the ids, cancellation aborts (and is counted in `aborted`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from agentrl.engine.base import PromptTooLongError
+from agentrl.types import Completion, SamplingParams
+from servers.deps import Tokenizer
+
+Reply = Callable[[str, int], str]
+"""(decoded prompt, choice index) -> the text the fake model 'samples'."""
+
+
+def default_reply(prompt: str, choice: int) -> str:
+    suffix = f" (choice {choice})" if choice else ""
+    return f"Hello! The answer is 42.{suffix}"
+
+
+@dataclass
+class FakeDelta:
+    index: int
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+    finish_reason: str | None
+    policy_version: int = 0
+
+
+class FakeEngine:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        reply: Reply | str = default_reply,
+        latency_s: float = 0.0,
+        max_context: int = 2048,
+        version: int = 0,
+        token_ids_for: Callable[[str], list[int]] | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.reply: Reply = (lambda _p, _i: reply) if isinstance(reply, str) else reply
+        self.latency_s = latency_s
+        self._max_context = max_context
+        self.version = version
+        self.token_ids_for = token_ids_for or (
+            lambda text: list(tokenizer.encode(text, add_special_tokens=False))
+        )
+        self.eos = tokenizer.eos_token_id
+        self.requests: list[tuple[list[int], SamplingParams, int]] = []
+        self.aborted = 0
+        self.active = 0
+        self.fail_with: Exception | None = None
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    def _sample(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[Completion]:
+        if len(prompt_ids) >= self._max_context:
+            raise PromptTooLongError(len(prompt_ids), self._max_context)
+        prompt = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
+        out = []
+        for i in range(params.n):
+            text = self.reply(prompt, i)
+            stop = None
+            for s in params.stop:
+                at = text.find(s)
+                if at >= 0 and (stop is None or at < text.find(stop)):
+                    stop = s
+            if stop is not None:
+                text = text[: text.find(stop)]
+            ids = self.token_ids_for(text)
+            ids = ids if stop is not None else [*ids, self.eos]
+            finish = "stop"
+            if len(ids) > params.max_tokens:
+                ids, finish = ids[: params.max_tokens], "length"
+            lps = [-0.01 * (1 + t % 7) for t in ids]
+            top = None
+            if params.top_logprobs:
+                top = [
+                    [(t, lp)] + [((t + k) % 200 + 3, lp - k) for k in range(1, params.top_logprobs)]
+                    for t, lp in zip(ids, lps, strict=True)
+                ]
+            out.append(Completion(token_ids=ids, logprobs=lps, finish_reason=finish,
+                                  policy_version=self.version, top_logprobs=top,
+                                  stop_reason=stop))
+        return out
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        images: Sequence[np.ndarray] | None = None,
+    ) -> list[Completion]:
+        self.requests.append((list(prompt_ids), params, len(images or ())))
+        if self.fail_with is not None:
+            raise self.fail_with
+        completions = self._sample(prompt_ids, params)
+        self.active += 1
+        try:
+            if self.latency_s:
+                await asyncio.sleep(self.latency_s)
+        except asyncio.CancelledError:
+            self.aborted += 1
+            raise
+        finally:
+            self.active -= 1
+        return completions
+
+
+class StreamingFakeEngine(FakeEngine):
+    """Also streams: first token after `latency_s`, then one token every `token_latency_s`."""
+
+    def __init__(self, tokenizer: Tokenizer, *, token_latency_s: float = 0.0, **kw: object):
+        super().__init__(tokenizer, **kw)  # type: ignore[arg-type]
+        self.token_latency_s = token_latency_s
+        self.fail_after_tokens: int | None = None
+
+    async def generate_stream(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        images: Sequence[np.ndarray] | None = None,
+    ) -> AsyncIterator[FakeDelta]:
+        self.requests.append((list(prompt_ids), params, len(images or ())))
+        completions = self._sample(prompt_ids, params)
+        self.active += 1
+        sent = 0
+        try:
+            await asyncio.sleep(self.latency_s)
+            longest = max(len(c.token_ids) for c in completions)
+            for j in range(longest):
+                for i, c in enumerate(completions):
+                    if j >= len(c.token_ids):
+                        continue
+                    if self.fail_after_tokens is not None and sent >= self.fail_after_tokens:
+                        raise RuntimeError("fake engine failure")
+                    sent += 1
+                    top = c.top_logprobs[j : j + 1] if c.top_logprobs else None
+                    last = j == len(c.token_ids) - 1
+                    yield FakeDelta(i, c.token_ids[j : j + 1], c.logprobs[j : j + 1],  # type: ignore[index]
+                                    top, c.finish_reason if last else None, c.policy_version)
+                if self.token_latency_s:
+                    await asyncio.sleep(self.token_latency_s)
+        except (asyncio.CancelledError, GeneratorExit):
+            self.aborted += 1
+            raise
+        finally:
+            self.active -= 1

@@ -1,0 +1,263 @@
+"""TransformersEngine on the tiny model: greedy parity with HF generate, batching, seeds,
+logprobs against a plain forward pass, stops, limits, cancellation, bad input, weight updates."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+
+from agentrl.engine import PromptTooLongError, create_engine
+from agentrl.engine.hf import TransformersEngine
+from agentrl.engine.requests import cut_at_stop
+from agentrl.engine.sampling import filter_top_k_top_p
+from agentrl.types import SamplingParams
+
+from ._models import sharp_tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16)
+
+
+def hf_greedy(model, prompt, max_new_tokens):
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )
+    return out[0, len(prompt):].tolist()
+
+
+def recompute_logprobs(model, prompt, completion, temperature=1.0, top_k=0, top_p=1.0):
+    """What a trainer does: one forward over prompt+completion, log_softmax(logits / T)."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+    if top_k or top_p < 1:
+        n = logits.shape[0]
+        logits = filter_top_k_top_p(
+            logits, torch.full((n,), top_k), torch.full((n,), float(top_p))
+        )
+    lp = torch.log_softmax(logits, -1)
+    return lp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+async def test_greedy_matches_hf_generate(engine, model, prompts):
+    for p in prompts[:3]:
+        [c] = await engine.generate(p, GREEDY)
+        ref = hf_greedy(model, p, GREEDY.max_tokens)
+        assert c.token_ids == ref[: len(c.token_ids)]
+        assert c.finish_reason == ("length" if len(c.token_ids) == 16 else "stop")
+
+
+async def test_concurrent_batching_equals_one_at_a_time(engine, prompts):
+    alone = [(await engine.generate(p, GREEDY))[0] for p in prompts]
+    many = prompts * 3  # 18 requests, more than max_batch_size=8: slots are reused
+    together = await asyncio.gather(*(engine.generate(p, GREEDY) for p in many))
+    for i, [c] in enumerate(together):
+        assert c.token_ids == alone[i % len(prompts)].token_ids
+        torch.testing.assert_close(c.logprobs, alone[i % len(prompts)].logprobs, atol=1e-4, rtol=0)
+    assert engine.num_running == 0
+
+
+async def test_seeded_sampling_is_reproducible(engine, prompts):
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=7, n=3)
+    a = await engine.generate(prompts[0], params)
+    # Same seed while other requests share the batch: same samples.
+    b, _ = await asyncio.gather(
+        engine.generate(prompts[0], params),
+        engine.generate(prompts[1], dataclasses.replace(params, seed=None)),
+    )
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert len({tuple(c.token_ids) for c in a}) > 1  # the n samples differ
+    c = await engine.generate(prompts[0], dataclasses.replace(params, seed=8))
+    assert [x.token_ids for x in c] != [x.token_ids for x in a]
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 20, 1.0), (0.8, 0, 0.9)]
+)
+async def test_logprobs_match_recomputed_forward(engine, model, prompts, temperature, top_k, top_p):
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=12, seed=1, n=2)
+    for c in await engine.generate(prompts[2], params):
+        ref = recompute_logprobs(model, prompts[2], c.token_ids, temperature, top_k, top_p)
+        torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=1e-4, rtol=0)
+        assert all(lp > float("-inf") for lp in c.logprobs)
+
+
+async def test_raw_logprobs_are_the_model_distribution(engine, model, prompts):
+    params = SamplingParams(temperature=0.5, top_k=5, max_tokens=10, seed=3, raw_logprobs=True)
+    [c] = await engine.generate(prompts[1], params)
+    torch.testing.assert_close(
+        torch.tensor(c.logprobs), recompute_logprobs(model, prompts[1], c.token_ids), atol=1e-4, rtol=0
+    )
+    processed = recompute_logprobs(model, prompts[1], c.token_ids, 0.5, 5)
+    assert not torch.allclose(torch.tensor(c.logprobs), processed, atol=1e-3)
+
+
+async def test_top_k_one_is_greedy(engine, prompts):
+    [g] = await engine.generate(prompts[0], GREEDY)
+    [k] = await engine.generate(prompts[0], dataclasses.replace(GREEDY, temperature=1.0, top_k=1))
+    assert k.token_ids == g.token_ids
+    assert all(abs(lp) < 1e-6 for lp in k.logprobs)  # a point mass: log 1
+
+
+async def test_top_logprobs(engine, prompts):
+    [c] = await engine.generate(prompts[0], dataclasses.replace(GREEDY, top_logprobs=3))
+    assert len(c.top_logprobs) == len(c.token_ids)
+    for tok, lp, top in zip(c.token_ids, c.logprobs, c.top_logprobs, strict=True):
+        assert top[0][0] == tok and abs(top[0][1] - lp) < 1e-6 and len(top) == 3
+
+
+async def test_stop_strings_and_stop_tokens(engine, tiny_tokenizer, prompts):
+    [free] = await engine.generate(prompts[0], GREEDY)
+    text = tiny_tokenizer.decode(free.token_ids)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop and stop in text
+    [c] = await engine.generate(prompts[0], dataclasses.replace(GREEDY, stop=(stop,)))
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.token_ids == free.token_ids[: len(c.token_ids)] and len(c.token_ids) < 16
+    got = tiny_tokenizer.decode(c.token_ids)
+    assert stop in got and stop not in tiny_tokenizer.decode(c.token_ids[:-1])
+    assert cut_at_stop(got, c.stop_reason) == text[: text.find(stop)]
+    tok = free.token_ids[3]
+    [d] = await engine.generate(prompts[0], dataclasses.replace(GREEDY, stop_token_ids=(tok,)))
+    assert d.token_ids == free.token_ids[: free.token_ids.index(tok) + 1]
+    assert (d.finish_reason, d.stop_reason) == ("stop", tok)
+
+
+async def test_max_tokens_gives_length(engine, prompts):
+    [c] = await engine.generate(prompts[1], SamplingParams(temperature=1.0, max_tokens=5, seed=0))
+    assert (len(c.token_ids), c.finish_reason) == (5, "length")
+    [z] = await engine.generate(prompts[1], SamplingParams(max_tokens=0))
+    assert (z.token_ids, z.finish_reason) == ([], "length")
+
+
+async def test_cancel_frees_slot_and_abort_returns_abort(engine, prompts):
+    long = SamplingParams(temperature=1.0, max_tokens=1000, seed=0)
+    task = asyncio.create_task(engine.generate(prompts[0], long))
+    while engine.num_running == 0:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(200):
+        if engine.num_running == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.num_running == 0
+    task = asyncio.create_task(engine.generate(prompts[0], long, request_id="r1"))
+    while engine.num_running == 0:
+        await asyncio.sleep(0.01)
+    assert engine.abort("r1")
+    [c] = await task
+    assert c.finish_reason == "abort" and 0 < len(c.token_ids) < 1000
+    assert len(c.logprobs) == len(c.token_ids)
+    assert engine.num_running == 0 and not engine.abort("r1")
+
+
+async def test_prompt_too_long(engine):
+    with pytest.raises(PromptTooLongError, match="context is 2048"):
+        await engine.generate([5] * 2048, GREEDY)
+    [c] = await engine.generate([5] * 2040, GREEDY)  # fits; stops at the context end
+    assert (len(c.token_ids), c.finish_reason) == (8, "length")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"n": 0}, "n must be"), ({"max_tokens": -1}, "max_tokens"), ({"top_p": 0.0}, "top_p"),
+     ({"top_p": 1.5}, "top_p"), ({"temperature": -1}, "temperature")],
+)
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+async def test_bad_prompts(engine):
+    with pytest.raises(ValueError, match="empty"):
+        await engine.generate([], GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        await engine.generate([1, 10**6], GREEDY)
+    with pytest.raises(TypeError, match="not text"):
+        await engine.generate("hello", GREEDY)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        await engine.generate([1, 2], {"temperature": 0})
+
+
+async def test_update_weights_changes_outputs_and_version(model, tiny_tokenizer, prompts):
+    other = sharp_tiny_model(tiny_tokenizer, seed=2)
+    own = sharp_tiny_model(tiny_tokenizer, seed=1)
+    with TransformersEngine(own, tiny_tokenizer) as engine:
+        [before] = await engine.generate(prompts[0], GREEDY)
+        assert before.policy_version == 0
+        engine.update_weights(other.state_dict(), version=1)
+        [after] = await engine.generate(prompts[0], GREEDY)
+        assert after.policy_version == 1 and engine.version == 1
+        assert after.token_ids == hf_greedy(other, prompts[0], 16)[: len(after.token_ids)]
+        assert after.token_ids != before.token_ids
+        engine.update_weights(iter(model.state_dict().items()), version=2)  # an iterator works
+        [back] = await engine.generate(prompts[0], GREEDY)
+        assert back.token_ids == before.token_ids and back.policy_version == 2
+        with pytest.raises(ValueError, match="did you mean 'lm_head.weight'"):
+            engine.update_weights({"lm_head.weigth": other.lm_head.weight}, version=3)
+
+
+async def test_colocated_model_update_is_a_version_bump(tiny_tokenizer, prompts):
+    model = sharp_tiny_model(tiny_tokenizer)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with TransformersEngine(model, tiny_tokenizer) as engine:
+        [before] = await engine.generate(prompts[0], GREEDY)
+        assert model.training  # generation left the trainer's mode alone
+        loss = model(torch.tensor([prompts[0] + before.token_ids]), labels=torch.tensor(
+            [prompts[0] + before.token_ids])).loss
+        loss.backward()  # autograd still works on the shared module
+        opt.step()
+        ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+        engine.update_weights(model.state_dict(), version=1)
+        assert ptrs == {n: p.data_ptr() for n, p in model.named_parameters()}
+        [after] = await engine.generate(prompts[0], GREEDY)
+        assert after.policy_version == 1
+        assert after.token_ids == hf_greedy(model, prompts[0], 16)[: len(after.token_ids)]
+
+
+async def test_multi_turn_prefix_is_reused(engine, model, prompts):
+    [first] = await engine.generate(prompts[2], GREEDY)
+    reused = engine.counters["reused_tokens"]
+    turn2 = prompts[2] + first.token_ids + prompts[1]
+    [second] = await engine.generate(turn2, GREEDY)
+    assert engine.counters["reused_tokens"] - reused >= len(prompts[2]) + len(first.token_ids) - 1
+    assert second.token_ids == hf_greedy(model, turn2, 16)[: len(second.token_ids)]
+
+
+async def test_sleep_wake(engine, prompts):
+    [a] = await engine.generate(prompts[0], GREEDY)
+    engine.sleep()
+    assert len(engine.prefix_cache) == 0
+    task = asyncio.create_task(engine.generate(prompts[0], GREEDY))
+    await asyncio.sleep(0.05)
+    assert not task.done()  # waits while asleep
+    engine.wake()
+    [b] = await task
+    assert a.token_ids == b.token_ids
+
+
+async def test_create_engine(tiny_tokenizer, prompts):
+    engine = create_engine("tiny")
+    try:
+        assert isinstance(engine, TransformersEngine) and engine.max_context == 2048
+        [c] = await engine.generate(prompts[0], SamplingParams(max_tokens=3))
+        assert len(c.token_ids) == 3
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="Did you mean 'vllm'"):
+        create_engine("tiny", backend="vlm")
+
+
+def test_import_is_light():
+    import subprocess
+    import sys
+
+    code = "import sys, agentrl.engine, agentrl.rollout; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,24 @@
+"""`agentrl rollout` end to end with the tiny model."""
+
+from __future__ import annotations
+
+from agentrl.cli import main
+from agentrl.types import load_jsonl
+
+
+def test_rollout_cli_writes_jsonl(tmp_path, capsys):
+    out = tmp_path / "r.jsonl"
+    rc = main(["rollout", "--env", "reverse", "--model", "tiny", "-n", "2", "--prompts", "3",
+               "--max-tokens", "8", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    trajs = load_jsonl(out)
+    assert len(trajs) == 6 and [t.group for t in trajs] == ["0", "0", "1", "1", "2", "2"]
+    assert all(0 < t.num_policy_tokens <= 8 for t in trajs)
+    printed = capsys.readouterr().out
+    assert "6 episodes" in printed and "mean reward" in printed and str(out) in printed
+
+
+def test_rollout_cli_bad_env(tmp_path, capsys):
+    rc = main(["rollout", "--env", "revers", "--model", "tiny", "--out", str(tmp_path / "x.jsonl")])
+    assert rc == 2
+    assert "Did you mean 'reverse'" in capsys.readouterr().err

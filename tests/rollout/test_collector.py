@@ -1,0 +1,150 @@
+"""collect(): single- and multi-turn toy envs, groups, per-step rewards, token exactness,
+budgets, and an env that raises."""
+
+from __future__ import annotations
+
+import threading
+
+import gymnasium as gym
+import pytest
+import torch
+
+import agentrl  # noqa: F401 - registers the toy env ids
+from agentrl.envs import ChatEnv, ChatTokenEnv
+from agentrl.rollout import collect, collect_sync
+from agentrl.types import SamplingParams
+
+SAMPLING = SamplingParams(temperature=1.0, max_tokens=8, seed=0)
+
+
+class Recorder:
+    """env_fn that keeps every env it made, to compare with what the trajectories say."""
+
+    def __init__(self, make):
+        self.make, self.envs, self.lock = make, [], threading.Lock()
+
+    def __call__(self):
+        env = self.make()
+        with self.lock:
+            self.envs.append(env)
+        return env
+
+
+class FlakyEnv(ChatEnv):
+    """Two turns; step raises on the second turn for odd seeds."""
+
+    def reset(self, *, seed=None, options=None):
+        self.seed, self.turn = seed, 0
+        return [{"role": "user", "content": "hello"}]
+
+    def step(self, text):
+        self.turn += 1
+        if self.turn == 2 and self.seed % 2:
+            raise RuntimeError("grader crashed")
+        return [{"role": "user", "content": "again"}], 0.5, self.turn >= 2, False, {"t": self.turn}
+
+
+async def test_single_turn_groups_and_order(engine, tiny_tokenizer):
+    env_fn = Recorder(lambda: gym.make("agentrl/Reverse-v0", tokenizer=tiny_tokenizer))
+    trajs = await collect(
+        engine, env_fn, num_prompts=3, n_samples_per_prompt=2, sampling=SAMPLING,
+        seeds=[10, 11, 12], group_prefix="step0-",
+    )
+    assert [t.group for t in trajs] == ["step0-0", "step0-0", "step0-1", "step0-1", "step0-2", "step0-2"]
+    assert [(t.info["prompt_index"], t.info["sample_index"]) for t in trajs] == [
+        (i, j) for i in range(3) for j in range(2)
+    ]
+    assert [t.info["seed"] for t in trajs] == [10, 10, 11, 11, 12, 12]
+    for t in trajs:
+        assert len(t.turns) == 1 and t.terminated and not t.truncated
+        assert "target" in t.info  # the env's last info is kept
+        assert 0.0 <= t.rewards[0] <= 1.0 and t.turns[0].end - t.turns[0].start <= 8
+    # Both samples of a group saw the same prompt; the samples themselves differ.
+    assert trajs[0].token_ids[: trajs[0].prompt_len] == trajs[1].token_ids[: trajs[1].prompt_len]
+    assert trajs[0].token_ids != trajs[1].token_ids
+    assert len(env_fn.envs) == 6
+
+
+async def test_multi_turn_token_exact(engine, tiny_model, tiny_tokenizer):
+    env_fn = Recorder(lambda: gym.make("agentrl/Digits-v0", tokenizer=tiny_tokenizer, turns=3))
+    trajs = await collect(engine, env_fn, num_prompts=2, n_samples_per_prompt=2, sampling=SAMPLING)
+    by_seed = {}
+    for env in env_fn.envs:
+        by_seed.setdefault(env.unwrapped.np_random_seed, []).append(env.unwrapped.token_ids)
+    for t in trajs:
+        t.validate()
+        assert len(t.turns) == 3 and t.terminated
+        assert t.token_ids in by_seed[t.info["seed"]]  # exactly the env's running sequence
+        assert t.rewards == pytest.approx([t.rewards[0], t.rewards[1], t.rewards[2]])
+        assert all(0.0 <= r <= 1.0 for r in t.rewards)
+        for turn in t.turns:
+            assert turn.policy_version == 0 and turn.obs_start < turn.start
+        # loss_mask marks exactly the sampled tokens: their logprobs are the sampler's, which
+        # a trainer's forward pass over the whole trajectory reproduces.
+        ids = torch.tensor([t.token_ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(tiny_model(ids).logits[0, :-1].float(), -1)
+        lp = lp.gather(-1, ids[0, 1:, None]).squeeze(-1)
+        mask = torch.tensor(t.loss_mask[1:], dtype=torch.bool)
+        assert int(mask.sum()) == sum(x.end - x.start for x in t.turns)
+        torch.testing.assert_close(lp[mask], torch.tensor(t.logprobs[1:])[mask], atol=1e-4, rtol=0)
+        assert all(x == 0.0 for x, m in zip(t.logprobs, t.loss_mask, strict=True) if not m)
+
+
+async def test_raising_step_recorded_without_losing_others(engine, tiny_tokenizer):
+    trajs = await collect(
+        engine, lambda: ChatTokenEnv(FlakyEnv(), tiny_tokenizer), num_prompts=4, sampling=SAMPLING
+    )
+    assert len(trajs) == 4
+    for i, t in enumerate(trajs):
+        if i % 2:
+            assert "grader crashed" in t.info["error"] and t.truncated and not t.terminated
+            assert len(t.turns) == 2 and t.rewards == [0.5, 0.0]
+        else:
+            assert "error" not in t.info and t.terminated and t.rewards == [0.5, 0.5]
+        t.validate()
+
+
+async def test_token_budgets(engine, tiny_tokenizer):
+    env_fn = lambda: gym.make("agentrl/Digits-v0", tokenizer=tiny_tokenizer, turns=50)  # noqa: E731
+    trajs = await collect(
+        engine, env_fn, num_prompts=2, sampling=SAMPLING, max_episode_tokens=60
+    )
+    for t in trajs:
+        assert t.truncated and not t.terminated
+        assert len(t.token_ids) <= 60
+        assert all(x.end - x.start <= SAMPLING.max_tokens for x in t.turns)
+        assert t.info["truncated_by"] == "max_episode_tokens" or "truncated_by" in t.info
+
+
+def test_collect_sync_from_a_thread(engine, tiny_tokenizer):
+    out = {}
+
+    def work():
+        out["trajs"] = collect_sync(
+            engine, lambda: gym.make("agentrl/Reverse-v0", tokenizer=tiny_tokenizer),
+            num_prompts=2, sampling=SAMPLING, progress=True,
+        )
+
+    th = threading.Thread(target=work)
+    th.start()
+    th.join(60)
+    assert [t.group for t in out["trajs"]] == ["0", "1"]
+
+
+async def test_seeded_collection_repeats(engine, tiny_tokenizer):
+    env_fn = lambda: gym.make("agentrl/Reverse-v0", tokenizer=tiny_tokenizer)  # noqa: E731
+    a = await collect(engine, env_fn, num_prompts=2, n_samples_per_prompt=2, sampling=SAMPLING)
+    b = await collect(engine, env_fn, num_prompts=2, n_samples_per_prompt=2, sampling=SAMPLING)
+    assert [t.token_ids for t in a] == [t.token_ids for t in b]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"num_prompts": -1}, "num_prompts"), ({"n_samples_per_prompt": 0}, "n_samples_per_prompt"),
+     ({"seeds": [1]}, "seeds has 1"), ({"max_concurrency": 0}, "max_concurrency")],
+)
+async def test_bad_arguments(engine, kwargs, match):
+    args = {"num_prompts": 2, "sampling": SAMPLING, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        await collect(engine, lambda: None, **args)

@@ -1,0 +1,49 @@
+"""Fixtures: a real sandbox (skipped only when bubblewrap is not installed) and host secrets."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from agentrl.sandbox import Sandbox, SandboxConfig
+from agentrl.sandbox.command import resolve_bwrap
+
+from ._helpers import FAST, SECRET_VALUE
+
+
+@pytest.fixture(scope="session")
+def bwrap_present() -> None:
+    if resolve_bwrap(SandboxConfig()) is None:
+        pytest.skip("bubblewrap is not installed (apt-get install -y bubblewrap)")
+
+
+@pytest.fixture(scope="session")
+def sb(bwrap_present: None) -> Iterator[Sandbox]:
+    """A strict sandbox; construction failing here is a test failure, not a skip."""
+    sandbox = Sandbox(FAST)
+    assert sandbox.isolated
+    yield sandbox
+
+
+@pytest.fixture()
+def host_secret_file(tmp_path: os.PathLike[str]) -> Iterator[str]:
+    path = os.path.join(str(tmp_path), "secret.txt")
+    with open(path, "w") as f:
+        f.write(SECRET_VALUE)
+    yield path
+
+
+@pytest.fixture()
+def root_secret_file() -> Iterator[str | None]:
+    """A secret in /root when we may write there (we run as root in CI)."""
+    path = f"/root/agentrl-sandbox-test-secret-{os.getpid()}"
+    try:
+        with open(path, "w") as f:
+            f.write(SECRET_VALUE)
+    except OSError:
+        yield None
+        return
+    yield path
+    os.unlink(path)

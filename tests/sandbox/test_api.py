@@ -1,0 +1,137 @@
+"""Public API, config validation, fail-closed behaviour and the unisolated tier."""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import agentrl.sandbox as sandbox_pkg
+from agentrl.sandbox import (
+    ExecResult,
+    Sandbox,
+    SandboxConfig,
+    SandboxUnavailableError,
+    isolation_available,
+)
+from agentrl.sandbox.config import ALLOW_UNISOLATED_ENV, STATUSES
+from agentrl.sandbox.seccomp import build_filter
+
+from ._helpers import FAST, SECRET_VALUE, assert_contained, descendants
+
+MISSING = FAST.replace(bwrap_path="/nonexistent/bwrap")
+
+
+def test_fails_closed_without_bubblewrap() -> None:
+    with pytest.raises(SandboxUnavailableError,
+                       match=r"(?s)bubblewrap was not found.*apt-get install -y bubblewrap.*"
+                             r"allow_unisolated=True.*AGENTRL_SANDBOX_ALLOW_UNISOLATED=1"):
+        Sandbox(MISSING)
+    assert not isolation_available(MISSING)
+
+
+def test_fails_closed_when_bubblewrap_cannot_start(bwrap_present: None, tmp_path: Path) -> None:
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    with pytest.raises(SandboxUnavailableError, match=r"(?s)does not work here.*apt-get install"):
+        Sandbox(FAST.replace(bwrap_path=str(fake)))
+
+
+def test_isolation_available_here(bwrap_present: None) -> None:
+    assert isolation_available()
+    assert Sandbox().layers["bubblewrap_namespaces"]
+
+
+@pytest.mark.parametrize("via_env", [False, True], ids=["argument", "env_var"])
+def test_unisolated_tier_is_explicit_and_still_limited(via_env: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    if via_env:
+        monkeypatch.setenv(ALLOW_UNISOLATED_ENV, "1")
+    sb = Sandbox(MISSING, allow_unisolated=not via_env)
+    assert not sb.isolated and not sb.layers["bubblewrap_namespaces"]
+    ok = sb.run("import os\nprint(6 * 7, sorted(os.environ))")
+    assert ok.status == "ok" and ok.stdout.startswith("42 ") and SECRET_VALUE not in ok.stdout
+    assert sb.run("while True: pass", timeout_s=0.5).status == "timeout"
+    assert sb.run("while True: print('x' * 100)").status == "output_limit"
+    held = sb.run("import subprocess\nsubprocess.Popen(['sleep', '100'])\nprint('done')")
+    assert (held.status, held.stdout) == ("ok", "done\n") and held.wall_s < 1.5
+    with sb.session() as s:
+        s.run("x = 5")
+        assert s.run("x + 1").stdout == "6\n"
+    time.sleep(0.1)
+    assert descendants(os.getpid()) == set()
+
+
+def test_config_validation_messages() -> None:
+    with pytest.raises(ValueError, match="timeout_s must be a positive finite number, got 0"):
+        SandboxConfig(timeout_s=0)
+    with pytest.raises(ValueError, match="memory_mb must be >= 32"):
+        SandboxConfig(memory_mb=8)
+    with pytest.raises(ValueError, match="cpu_time_s must be None or a positive number"):
+        SandboxConfig(cpu_time_s=-1.0)
+    with pytest.raises(ValueError, match="max_processes must be >= 4"):
+        SandboxConfig(max_processes=2)
+    with pytest.raises(ValueError, match="python_path must be absolute"):
+        SandboxConfig(python_path="python3")
+    with pytest.raises(ValueError, match="extra_ro_paths entries must be absolute"):
+        SandboxConfig(extra_ro_paths=("/",))
+    with pytest.raises(TypeError):
+        SandboxConfig(5.0)  # type: ignore[misc]  # keyword-only
+    cfg = SandboxConfig(timeout_s=5.0, memory_mb=512, max_processes=64, max_output_bytes=65536,
+                        max_file_mb=16, cpu_time_s=None)
+    with pytest.raises(AttributeError):
+        cfg.timeout_s = 1.0  # type: ignore[misc]  # frozen
+
+
+def test_run_argument_errors(sb: Sandbox) -> None:
+    with pytest.raises(ValueError, match="timeout_s must be positive"):
+        sb.run("1", timeout_s=0)
+    with pytest.raises(TypeError, match="code must be str"):
+        sb.run(b"print(1)")  # type: ignore[arg-type]
+
+
+def test_result_shape(sb: Sandbox) -> None:
+    r = sb.run("import sys\nprint('out')\nprint('err', file=sys.stderr)\nsys.exit(4)")
+    assert isinstance(r, ExecResult) and r.status in STATUSES
+    assert (r.status, r.returncode, r.stdout, r.stderr, r.truncated) == ("error", 4, "out\n",
+                                                                         "err\n", False)
+    assert 0 < r.wall_s < 2 and not r.ok
+
+
+def test_probe_is_cached_so_construction_is_cheap(sb: Sandbox) -> None:
+    start = time.perf_counter()
+    for _ in range(50):
+        Sandbox(FAST)
+    assert time.perf_counter() - start < 0.5
+
+
+def test_concurrent_one_shot_runs(sb: Sandbox) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda i: sb.run(f"print({i} ** 2)").stdout, range(16)))
+    assert outs == [f"{i ** 2}\n" for i in range(16)]
+    assert_contained(sb)
+
+
+def test_package_is_stdlib_only() -> None:
+    allowed = set(sys.stdlib_module_names) | {"agentrl", "__future__"}
+    for path in Path(sandbox_pkg.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert name.split(".")[0] in allowed, f"{path.name} imports {name}"
+
+
+def test_seccomp_filter_is_well_formed() -> None:
+    program = build_filter()
+    if os.uname().machine != "x86_64":
+        assert program is None
+        return
+    assert program is not None and len(program) % 8 == 0 and len(program) // 8 < 4096

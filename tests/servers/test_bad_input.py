@@ -1,0 +1,118 @@
+"""Bad input against a real uvicorn server: right status, a message that says what to fix,
+the server keeps serving, nothing already recorded is lost. Plus limits and disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import httpx
+import pytest
+
+from servers.testing import FakeEngine, StreamingFakeEngine
+
+OK = {"model": "agentrl", "messages": [{"role": "user", "content": "hi"}]}
+CASES = [
+    ("malformed json", b'{"model": "agentrl", "messages": [', 400, "not valid JSON"),
+    ("not an object", b"[1, 2]", 400, "JSON object"),
+    ("wrong type", {**OK, "max_tokens": "ten"}, 400, "'max_tokens'"),
+    ("unknown model", {**OK, "model": "agentrll"}, 404, "Did you mean 'agentrl'"),
+    ("empty messages", {**OK, "messages": []}, 400, "'messages'"),
+    ("negative max_tokens", {**OK, "max_tokens": -5}, 400, "greater than or equal to 1"),
+    ("n = 0", {**OK, "n": 0}, 400, "'n'"),
+    ("missing model", {"messages": OK["messages"]}, 400, "missing required field 'model'"),
+    ("bad role", {**OK, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
+    ("null user content", {**OK, "messages": [{"role": "user", "content": None}]}, 400,
+     "needs `content`"),
+    ("top_logprobs alone", {**OK, "top_logprobs": 2}, 400, "logprobs=true"),
+    ("remote image", {**OK, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]}, 400, "image"),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "status", "says"), CASES, ids=[c[0] for c in CASES])
+def test_bad_request_is_openai_shaped_and_recorded_sessions_survive(proxy, name, body, status,
+                                                                    says):
+    url = f"{proxy.url}/sessions/keep/v1/chat/completions"
+    assert httpx.post(url, json=OK).status_code == 200
+    before = proxy.store.get("keep").trajectories()[0].to_dict()
+    kw = {"content": body, "headers": {"content-type": "application/json"}} \
+        if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(url, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert says in err["message"], err["message"]
+    assert r.headers["x-should-retry"] == "false"
+    assert httpx.post(url, json=OK).status_code == 200  # still serving
+    after = proxy.store.get("keep").trajectories()[0].to_dict()
+    assert after["token_ids"][: len(before["token_ids"])] == before["token_ids"]
+
+
+def test_oversize_body_is_413(make_proxy):
+    p = make_proxy(max_body_bytes=4096)
+    big = {**OK, "messages": [{"role": "user", "content": "x" * 10_000}]}
+    r = httpx.post(f"{p.url}/v1/chat/completions", json=big)
+    assert r.status_code == 413 and "limit of 4096 bytes" in r.json()["error"]["message"]
+
+    def chunks():  # no content-length: the limit is enforced while streaming the body
+        yield b'{"model": "agentrl", "messages": [{"role": "user", "content": "'
+        for _ in range(10):
+            yield b"x" * 1000
+        yield b'"}]}'
+
+    r = httpx.post(f"{p.url}/v1/chat/completions", content=chunks())
+    assert r.status_code == 413
+    assert httpx.post(f"{p.url}/v1/chat/completions", json=OK).status_code == 200
+
+
+async def _burst(url: str, n: int, path: str = "/v1/chat/completions") -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+        return await asyncio.gather(*(c.post(path, json=OK) for _ in range(n)))
+
+
+def test_global_concurrency_limit_is_503_with_retry_after(make_proxy, tok):
+    p = make_proxy(FakeEngine(tok, latency_s=0.3), max_concurrency=4)
+    rs = asyncio.run(_burst(p.url, 10))
+    codes = sorted(r.status_code for r in rs)
+    assert codes.count(200) == 4 and codes.count(503) == 6
+    busy = next(r for r in rs if r.status_code == 503)
+    assert busy.headers["retry-after"] == "1" and busy.headers["x-should-retry"] == "true"
+
+
+def test_session_concurrency_limit_is_429(make_proxy, tok):
+    p = make_proxy(FakeEngine(tok, latency_s=0.3), max_session_concurrency=2)
+    rs = asyncio.run(_burst(p.url, 5, "/sessions/s/v1/chat/completions"))
+    assert sorted(r.status_code for r in rs) == [200, 200, 429, 429, 429]
+    assert next(r for r in rs if r.status_code == 429).headers["retry-after"] == "1"
+
+
+def _send_and_hang_up(url: str, body: bytes, wait: float) -> None:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /sessions/dc/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: "
+                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(wait)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_aborts_generation_and_marks_call(make_proxy, tok, stream):
+    engine = StreamingFakeEngine(tok, latency_s=0.05, token_latency_s=0.05) if stream \
+        else FakeEngine(tok, latency_s=5.0)
+    p = make_proxy(engine)
+    import json
+
+    body = json.dumps({**OK, "stream": stream}).encode()
+    _send_and_hang_up(p.url, body, wait=0.3)
+    deadline = time.monotonic() + 5
+    while engine.aborted == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.aborted == 1 and engine.active == 0
+    deadline = time.monotonic() + 2
+    while p.store.get("dc").summary()["aborted_calls"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    s = p.store.get("dc").summary()
+    assert s["aborted_calls"] == 1 and s["num_calls"] == 0
+    assert httpx.post(f"{p.url}/v1/chat/completions", json=OK).status_code == 200

@@ -1,0 +1,58 @@
+"""Config errors surface before any model loads, naming the flags."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainers.cli import build_config, main
+from trainers.config import TrainConfig, config_from_dict
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--env", "digits", "--rollout.n_samples_per_prompt", "1"],
+         r"group_norm needs a group: set --rollout.n_samples_per_prompt >= 2"),
+        (["--env", "digits", "--algo.estimator", "grpo_norm"],
+         r"--algo.estimator 'grpo_norm' is unknown. Did you mean 'group_norm'"),
+        (["--env", "digits", "--minibatches_per_step", "3"],
+         r"--minibatches_per_step 3 must divide the rollout batch .* = 32"),
+        (["--env", "digits", "--rollout.async_depth", "1"],
+         r"async_depth > 0 needs --rollout.mode placed"),
+    ],
+)
+def test_conflicting_flags_fail_before_loading(argv, match, monkeypatch):
+    import agentrl.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model was loaded"))
+    with pytest.raises(ValueError, match=match):
+        build_config(argv)
+
+
+def test_cli_prints_error_and_returns_2(capsys):
+    assert main(["--env", "digits", "--algo.estimator", "nope"]) == 2
+    assert "--algo.estimator 'nope' is unknown" in capsys.readouterr().err
+
+
+def test_precedence_flags_over_file_over_preset(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"env": "digits", "steps": 7, "actor": {"lr": 0.5}}))
+    cfg = build_config(["--config", str(path), "--actor.lr", "0.25"])
+    assert (cfg.env, cfg.steps, cfg.actor.lr, cfg.actor.model) == ("digits", 7, 0.25, "tiny")
+    # The saved resolved config loads back to the same thing.
+    cfg.save(tmp_path / "resolved.json")
+    again = config_from_dict(json.loads((tmp_path / "resolved.json").read_text()))
+    assert again == cfg
+
+
+def test_unknown_config_key_says_did_you_mean():
+    with pytest.raises(ValueError, match=r"unknown config key 'actor.lrr'; did you mean 'actor.lr'"):
+        config_from_dict({"actor": {"lrr": 1}})
+
+
+def test_default_is_math_tir_preset():
+    cfg = build_config([])
+    assert cfg.env == "math-tir" and cfg.actor.model == "smollm2-135m-instruct"
+    assert cfg.eval_problems > 0 and cfg == TrainConfig(**{**cfg.__dict__})

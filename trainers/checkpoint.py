@@ -1,0 +1,79 @@
+"""Atomic checkpoints: everything an exact resume needs.
+
+Layout: `run_dir/checkpoints/step_000004/{worker.pt, trainer_state.json, queue.jsonl}` plus
+`run_dir/checkpoints/latest` naming the newest. A checkpoint is written to a temporary
+directory and renamed into place, and `latest` is replaced atomically after that, so a crash
+while saving leaves the previous checkpoint usable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentrl.types import Trajectory, load_jsonl, save_jsonl
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    worker_state: dict[str, Any],
+    trainer_state: dict[str, Any],
+    queue: list[Trajectory] | None = None,
+    *,
+    keep: int = 2,
+) -> Path:
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    torch.save(worker_state, tmp / "worker.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+    save_jsonl(queue or [], tmp / "queue.jsonl")
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    latest_tmp = root / ".latest.tmp"
+    latest_tmp.write_text(final.name)
+    latest_tmp.replace(root / "latest")
+    _prune(root, keep)
+    return final
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    root = checkpoint_root(run_dir)
+    marker = root / "latest"
+    if not marker.exists():
+        return None
+    path = root / marker.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Any], list[Trajectory]]:
+    path = Path(path)
+    if not (path / "worker.pt").exists() or not (path / "trainer_state.json").exists():
+        raise ValueError(
+            f"{str(path)!r} is not an agentrl checkpoint (expected worker.pt and "
+            f"trainer_state.json); pass a run's checkpoints/step_NNNNNN directory or --resume auto"
+        )
+    worker = torch.load(path / "worker.pt", weights_only=False)
+    trainer = json.loads((path / "trainer_state.json").read_text())
+    queue = load_jsonl(path / "queue.jsonl") if (path / "queue.jsonl").exists() else []
+    return worker, trainer, queue
+
+
+def _prune(root: Path, keep: int) -> None:
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+    for old in steps[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)

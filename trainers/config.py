@@ -1,0 +1,289 @@
+"""Typed configuration for `agentrl train`. The CLI flags are generated from these dataclasses
+(`--actor.lr`, `--algo.estimator`, `--rollout.n_samples_per_prompt`, ...); presets are Python
+functions in `trainers/presets.py`. Every check that can fail runs before any model loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import difflib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
+
+# tyro turns a ValueError from __post_init__ into its own exit box; the CLI parses with
+# validation deferred and then calls `validate`, so errors look the same from the CLI and code.
+_DEFER = contextvars.ContextVar("agentrl_defer_validation", default=False)
+
+
+@contextlib.contextmanager
+def deferred_validation() -> Iterator[None]:
+    token = _DEFER.set(True)
+    try:
+        yield
+    finally:
+        _DEFER.reset(token)
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Run every section's checks (the CLI parses with them deferred)."""
+    for section in (cfg.actor, cfg.algo, cfg.rollout, cfg):
+        section.__post_init__()
+    return cfg
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActorConfig:
+    """The policy model and its optimizer."""
+
+    model: str = "smollm2-135m-instruct"
+    """Model name (smollm2-135m-instruct, tiny) or a local Hugging Face model directory."""
+    lr: float = 1e-6
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up, in optimizer steps."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm (0 disables)."""
+    gradient_checkpointing: bool = False
+    """Trade compute for memory in the policy forward/backward."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Training dtype (bfloat16 on GPU)."""
+
+    def __post_init__(self) -> None:
+        if _DEFER.get():
+            return
+        if self.lr <= 0:
+            raise ValueError(f"--actor.lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0 or self.max_grad_norm < 0:
+            raise ValueError("--actor.warmup_steps and --actor.max_grad_norm must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgoConfig:
+    """Advantages, policy loss, KL, corrections. Names follow OpenRLHF."""
+
+    estimator: str = "group_norm"
+    """Advantage estimator: gae (PPO), reinforce (REINFORCE++), reinforce_baseline, group_norm
+    (GRPO), dr_grpo, rloo."""
+    policy_loss: str = "ppo"
+    """Policy loss: ppo (clip, clip-higher, dual clip) or gspo."""
+    clip_low: float = 0.2
+    """PPO lower clip epsilon."""
+    clip_high: float = 0.2
+    """PPO upper clip epsilon (set above clip_low for DAPO's clip-higher)."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 for negative advantages (None disables)."""
+    loss_agg: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"
+    ] = "token-mean"
+    """Loss aggregation; `constant` divides by max new tokens (the real Dr. GRPO)."""
+    gamma: float = 1.0
+    """Discount (group estimators force 1)."""
+    lam: float = 0.95
+    """GAE lambda."""
+    kl_coef: float = 0.0
+    """KL coefficient against the reference model (0 = no reference model is loaded)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """KL estimator."""
+    kl_as_loss: bool = False
+    """Put KL in the loss instead of shaping the reward."""
+    kl_target: float | None = None
+    """Adaptive KL: target KL per token (None = fixed coefficient)."""
+    kl_horizon: int = 10000
+    """Adaptive KL horizon."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    mismatch_correction: Literal["none", "tis", "icepop", "seq-mask-tis"] = "none"
+    """Sampler/trainer mismatch correction."""
+    value_clip: float = 0.5
+    """PPO value-loss clip."""
+    critic_lr: float = 1e-5
+    """Critic learning rate (gae only)."""
+    overlong_buffer: int = 0
+    """DAPO overlong penalty buffer in tokens (0 = off)."""
+    overlong_factor: float = 1.0
+    """DAPO overlong penalty factor."""
+    truncation_penalty: float | None = None
+    """ProRL truncation penalty: >= 0 scales, < 0 replaces the reward of truncated episodes."""
+    dynamic_filter: Literal["none", "mean", "std"] = "none"
+    """DAPO dynamic filtering of groups: mean in (0, 1), or std > 0."""
+
+    def __post_init__(self) -> None:
+        if _DEFER.get():
+            return
+        from agentrl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+
+        # The registries, not fixed lists: estimators and losses users register work too.
+        _check_name("--algo.estimator", self.estimator, tuple(ADVANTAGE_ESTIMATORS))
+        _check_name("--algo.policy_loss", self.policy_loss, tuple(POLICY_LOSSES))
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"--algo.dual_clip must be > 1, got {self.dual_clip}")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError("--algo.kl_coef and --algo.entropy_coef must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """How trajectories are sampled."""
+
+    n_samples_per_prompt: int = 4
+    """Samples per prompt (the group size of group estimators)."""
+    prompts_per_step: int = 2
+    """Prompts per training step."""
+    max_new_tokens: int = 32
+    """Most tokens per policy turn."""
+    max_episode_tokens: int | None = None
+    """Token budget per episode (truncates)."""
+    max_turns: int | None = None
+    """Turn budget per episode (truncates), for chat envs."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    max_concurrency: int = 64
+    """Episodes in flight at once."""
+    mode: Literal["colocated", "placed"] = "colocated"
+    """colocated: engine and policy share the weights in one actor (free weight sync);
+    placed: a separate rollout actor that receives weights in buckets."""
+    async_depth: int = 0
+    """Placed mode: rollout batches sampled ahead of training (0 = strictly on-policy)."""
+    weight_sync_bucket_mb: int = 64
+    """Placed mode: size of each weight-sync bucket."""
+
+    def __post_init__(self) -> None:
+        if _DEFER.get():
+            return
+        if self.n_samples_per_prompt < 1 or self.prompts_per_step < 1:
+            raise ValueError("--rollout.n_samples_per_prompt and prompts_per_step must be >= 1")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.async_depth < 0:
+            raise ValueError("--rollout.async_depth must be >= 0")
+        if self.async_depth and self.mode != "placed":
+            raise ValueError(
+                "--rollout.async_depth > 0 needs --rollout.mode placed: colocated sampling uses "
+                "the very weights being trained"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One RL run."""
+
+    env: str = "math-tir"
+    """Environment id or CLI name (see `agentrl envs`)."""
+    env_kwargs: dict[str, object] = field(default_factory=dict)
+    """Extra keyword arguments for the environment (JSON in --config files)."""
+    eval_env_kwargs: dict[str, object] = field(default_factory=dict)
+    """Keyword arguments that select the held-out split for evals (e.g. {"split": "eval"})."""
+    replay: str | None = None
+    """Train on recorded trajectories (a .jsonl, consumed in order, one rollout batch per step)
+    instead of sampling: offline re-training, exact-resume tests, debugging."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    steps: int = 10
+    """Training steps (one rollout batch each)."""
+    epochs_per_step: int = 1
+    """Passes over each rollout batch (PPO epochs)."""
+    minibatches_per_step: int = 1
+    """Optimizer steps per epoch."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward (gradient accumulation; does not change the result)."""
+    backend: Literal["local"] = "local"
+    """Training backend inside the policy actor (FSDP2 / DeepSpeed ZeRO: not yet)."""
+    use_ray: bool = True
+    """Run the policy/rollout workers as Ray actors (False: in this process, for debugging)."""
+    seed: int = 0
+    """Seed for the model init, sampling and data order."""
+    run_dir: str = "runs/latest"
+    """Where checkpoints, metrics and the resolved config go."""
+    save_every: int = 0
+    """Checkpoint every N steps (0 = only at the end)."""
+    resume: str | None = None
+    """Resume from a checkpoint directory, or "auto" for the latest in run_dir."""
+    eval_problems: int = 0
+    """Held-out problems evaluated before and after training (0 = no eval)."""
+    eval_temperature: float = 1.0
+    """Sampling temperature of the evals."""
+    eval_samples: int = 1
+    """Samples per eval problem (pass@k uses k = this)."""
+    max_bad_steps: int = 3
+    """Stop after this many steps with non-finite loss (each is skipped; a checkpoint is kept)."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self) -> None:
+        if _DEFER.get():
+            return
+        ro = self.rollout
+        if self.algo.estimator in GROUP_ESTIMATORS and ro.n_samples_per_prompt < 2:
+            raise ValueError(
+                f"--algo.estimator {self.algo.estimator} needs a group: set "
+                f"--rollout.n_samples_per_prompt >= 2 (got {ro.n_samples_per_prompt})"
+            )
+        batch = ro.prompts_per_step * ro.n_samples_per_prompt
+        if batch % self.minibatches_per_step:
+            raise ValueError(
+                f"--minibatches_per_step {self.minibatches_per_step} must divide the rollout "
+                f"batch (--rollout.prompts_per_step x --rollout.n_samples_per_prompt = {batch})"
+            )
+        if self.micro_batch_size < 1 or self.steps < 0 or self.epochs_per_step < 1:
+            raise ValueError("--micro_batch_size and --epochs_per_step must be >= 1, --steps >= 0")
+        if self.eval_samples < 1:
+            raise ValueError("--eval_samples must be >= 1")
+
+    @property
+    def rollout_batch_size(self) -> int:
+        return self.rollout.prompts_per_step * self.rollout.n_samples_per_prompt
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, default=str)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+
+def config_from_dict(d: dict, base: TrainConfig | None = None) -> TrainConfig:
+    """Build a TrainConfig from a (possibly partial) nested dict, with unknown-key errors."""
+    base = base or TrainConfig()
+    return _merge(base, d, prefix="")
+
+
+def _merge(obj: object, d: dict, prefix: str) -> object:
+    fields = {f.name: f for f in dataclasses.fields(obj)}  # type: ignore[arg-type]
+    updates = {}
+    for key, value in d.items():
+        if key not in fields:
+            hint = difflib.get_close_matches(key, fields, n=1)
+            did_you_mean = f"; did you mean '{prefix}{hint[0]}'?" if hint else ""
+            raise ValueError(f"unknown config key '{prefix}{key}'{did_you_mean}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current) and isinstance(value, dict):
+            updates[key] = _merge(current, value, prefix=f"{prefix}{key}.")
+        elif isinstance(current, tuple) and isinstance(value, list):
+            updates[key] = tuple(value)
+        else:
+            updates[key] = value
+    return dataclasses.replace(obj, **updates)  # type: ignore[type-var]
+
+
+def _check_name(flag: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        hint = difflib.get_close_matches(value, allowed, n=1)
+        did_you_mean = f" Did you mean {hint[0]!r}?" if hint else ""
+        raise ValueError(
+            f"{flag} {value!r} is unknown.{did_you_mean} Choose one of: {', '.join(allowed)}"
+        )

@@ -1,0 +1,312 @@
+"""The controller: drives rollout -> update -> weight sync -> log -> checkpoint.
+
+Workers are Ray actors by default (`use_ray=False` runs the same classes in this process).
+Colocated mode: one `PolicyWorker` that also samples (its engine shares the trained module).
+Placed mode: a `PolicyWorker` without an engine plus a `RolloutWorker` that receives the new
+weights in buckets after every update; with `async_depth = K > 0` up to K rollout batches are
+sampled ahead of training, each turn recording the policy version it was sampled with.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from agentrl.types import Trajectory, iter_jsonl
+from trainers.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainers.config import TrainConfig
+from trainers.metrics import MetricsLogger
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on; the last checkpoint is intact and named in the message."""
+
+
+class _Handle:
+    """Calls methods on a local object or a Ray actor with one interface."""
+
+    def __init__(self, obj: Any, remote: bool) -> None:
+        self.obj, self.remote = obj, remote
+
+    def submit(self, method: str, *args: Any) -> Any:
+        if self.remote:
+            return getattr(self.obj, method).remote(*args)
+        return getattr(self.obj, method)(*args)
+
+    def result(self, future: Any) -> Any:
+        if isinstance(future, _Ready):
+            return future.value
+        if not self.remote:
+            return future
+        import ray
+
+        try:
+            return ray.get(future)
+        except ray.exceptions.RayActorError as e:
+            raise TrainingError(f"a Ray worker died: {e}") from e
+
+    def call(self, method: str, *args: Any) -> Any:
+        return self.result(self.submit(method, *args))
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.step = 0
+        self.data_pos = 0
+        self.kl_coef = cfg.algo.kl_coef
+        self.bad_steps = 0
+        self.queue: deque[tuple[int, Any]] = deque()
+        self._replay = iter_jsonl(cfg.replay) if cfg.replay else None
+        self.policy: _Handle | None = None
+        self.rollout: _Handle | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def _start_workers(self) -> None:
+        from trainers.policy import PolicyWorker
+        from trainers.sampling import RolloutWorker
+
+        cfg = self.cfg
+        placed = cfg.rollout.mode == "placed"
+        # The policy samples only when colocated and not replaying recorded rollouts ... and for
+        # evals, which run on the rollout worker when there is one.
+        engine = not placed and (cfg.replay is None or cfg.eval_problems > 0)
+        if cfg.use_ray:
+            import ray
+
+            from trainers.ray_utils import init_ray
+
+            init_ray()
+            policy = ray.remote(PolicyWorker).options(num_cpus=0).remote(cfg, with_engine=engine)
+            self.policy = _Handle(policy, True)
+            if placed and cfg.replay is None:
+                worker = ray.remote(RolloutWorker).options(num_cpus=0).remote(cfg)
+                self.rollout = _Handle(worker, True)
+        else:
+            self.policy = _Handle(PolicyWorker(cfg, with_engine=engine), False)
+            if placed and cfg.replay is None:
+                self.rollout = _Handle(RolloutWorker(cfg), False)
+        if self.rollout is None and cfg.replay is None:
+            self.rollout = self.policy  # colocated: the policy worker samples too
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.save(self.run_dir / "config.json")
+        self._start_workers()
+        if cfg.resume:
+            self._resume(cfg.resume)
+        log = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard, total_steps=cfg.steps,
+                            progress=cfg.progress)
+        summary: dict[str, Any] = {"run_dir": str(self.run_dir)}
+        try:
+            if cfg.eval_problems and self.step == 0:
+                summary["eval_before"] = self._evaluate(log, "eval_before")
+            while self.step < cfg.steps:
+                metrics = self._train_step()
+                log.log(self.step, metrics)
+                log.progress(self.step, metrics)
+                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+                    self.save()
+            self.save()
+            if cfg.eval_problems:
+                summary["eval_after"] = self._evaluate(log, "eval_after")
+            hf_dir = self.run_dir / "hf"
+            self.policy.call("export_hf", str(hf_dir))  # type: ignore[union-attr]
+            summary["hf_model"] = str(hf_dir)
+        finally:
+            log.close()
+        summary["steps"] = self.step
+        return summary
+
+    def _train_step(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        trajs, t_rollout = self._next_batch()
+        scored = self._shape_rewards(trajs)
+        try:
+            metrics = self.policy.call("train", scored, self.kl_coef)  # type: ignore[union-attr]
+        except Exception as e:
+            if "non-finite" not in str(e):
+                raise
+            return self._bad_step(e)
+        self.step += 1
+        self._sync_weights()
+        if self.cfg.algo.kl_target is not None and "kl" in metrics:
+            from agentrl.algorithms import adaptive_kl_coef
+
+            self.kl_coef = adaptive_kl_coef(
+                self.kl_coef, metrics["kl"], target=self.cfg.algo.kl_target,
+                horizon=self.cfg.algo.kl_horizon, n_steps=len(trajs),
+            )
+        metrics.update(_rollout_metrics(trajs))
+        metrics.update(kl_coef=self.kl_coef, time_rollout=t_rollout,
+                       time_step=time.perf_counter() - t0)
+        gen = sum(t.num_policy_tokens for t in trajs)
+        metrics["tokens_per_s"] = gen / t_rollout if t_rollout > 0 else 0.0
+        return metrics
+
+    def _bad_step(self, error: Exception) -> dict[str, Any]:
+        self.bad_steps += 1
+        logger.warning("skipped step %d: %s", self.step + 1, error)
+        if self.bad_steps > self.cfg.max_bad_steps:
+            path = self.save()
+            raise TrainingError(
+                f"{self.bad_steps} steps had a non-finite loss (limit --max_bad_steps "
+                f"{self.cfg.max_bad_steps}); stopped. Last checkpoint: {path}. Lower --actor.lr or "
+                f"check the rewards."
+            ) from error
+        return {"skipped": 1, "bad_steps": self.bad_steps}
+
+    # ------------------------------------------------------------------ rollouts
+    def _seeds(self) -> list[int]:
+        n = self.cfg.rollout.prompts_per_step
+        seeds = [self.cfg.seed * 1_000_003 + self.data_pos + i for i in range(n)]
+        self.data_pos += n
+        return seeds
+
+    def _next_batch(self) -> tuple[list[Trajectory], float]:
+        t0 = time.perf_counter()
+        if self._replay is not None:
+            batch = [next(self._replay, None) for _ in range(self.cfg.rollout_batch_size)]
+            if any(t is None for t in batch):
+                raise TrainingError(f"--replay {self.cfg.replay} ran out of trajectories")
+            self.data_pos += self.cfg.rollout.prompts_per_step
+            return batch, time.perf_counter() - t0  # type: ignore[return-value]
+        depth = self.cfg.rollout.async_depth
+        while len(self.queue) <= depth:
+            step = self.step + len(self.queue)
+            self.queue.append((step, self.rollout.submit("collect", self._seeds(), step)))  # type: ignore[union-attr]
+        _, future = self.queue.popleft()
+        trajs = self.rollout.result(future)  # type: ignore[union-attr]
+        if self.cfg.algo.dynamic_filter != "none":
+            trajs = self._refill(self._filter(trajs))
+        return trajs, time.perf_counter() - t0
+
+    def _filter(self, trajs: list[Trajectory]) -> list[Trajectory]:
+        """DAPO dynamic filtering: drop groups whose rewards carry no signal."""
+        import torch
+
+        from agentrl.algorithms import dynamic_filter
+
+        groups = {g: i for i, g in enumerate(dict.fromkeys(t.group for t in trajs))}
+        keep = dynamic_filter(
+            torch.tensor([t.total_reward for t in trajs]),
+            torch.tensor([groups[t.group] for t in trajs]),
+            criterion=self.cfg.algo.dynamic_filter,
+        )
+        return [t for t, k in zip(trajs, keep.tolist(), strict=True) if k]
+
+    def _refill(self, kept: list[Trajectory], max_rounds: int = 4) -> list[Trajectory]:
+        """Sample more prompts until the batch is full again (or give up after max_rounds and
+        train on the accepted groups: unlike OpenRLHF, accepted groups are never dropped)."""
+        want = self.cfg.rollout_batch_size
+        for _ in range(max_rounds):
+            if len(kept) >= want:
+                break
+            more = self.rollout.call("collect", self._seeds(), self.step)  # type: ignore[union-attr]
+            kept += self._filter(more)
+        if not kept:
+            raise TrainingError(
+                "dynamic filtering rejected every group (all rewards equal); use "
+                "--algo.dynamic_filter none or an easier/harder task"
+            )
+        n = self.cfg.rollout.n_samples_per_prompt
+        return kept[: max(n, (min(len(kept), want) // n) * n)]
+
+    def _shape_rewards(self, trajs: list[Trajectory]) -> list[Trajectory]:
+        """DAPO overlong and ProRL truncation penalties, applied to the last turn's reward before
+        any baseline; dynamic filtering is not applied here (see AlgoConfig.dynamic_filter)."""
+        algo = self.cfg.algo
+        if not algo.overlong_buffer and algo.truncation_penalty is None:
+            return trajs
+        import torch
+
+        from agentrl.algorithms import overlong_penalty, truncation_penalty
+
+        rewards = torch.tensor([t.turns[-1].reward if t.turns else 0.0 for t in trajs])
+        if algo.overlong_buffer:
+            lengths = torch.tensor([t.turns[-1].end - t.turns[-1].start for t in trajs])
+            rewards = overlong_penalty(rewards, lengths, max_new_tokens=self.cfg.rollout.max_new_tokens,
+                                       buffer=algo.overlong_buffer, factor=algo.overlong_factor)
+        if algo.truncation_penalty is not None:
+            truncated = torch.tensor([t.turns[-1].finish_reason == "length" for t in trajs])
+            rewards = truncation_penalty(rewards, truncated, algo.truncation_penalty)
+        for t, r in zip(trajs, rewards.tolist(), strict=True):
+            if t.turns:
+                t.turns[-1].reward = float(r)
+        return trajs
+
+    def _sync_weights(self) -> None:
+        if self.rollout is None or self.rollout is self.policy:
+            return  # replay, or colocated: the engine already samples from the trained module
+        from trainers.sampling import weight_buckets
+
+        weights = self.policy.call("named_weights")  # type: ignore[union-attr]
+        for bucket in weight_buckets(weights, self.cfg.rollout.weight_sync_bucket_mb):
+            self.rollout.call("update_weights", bucket, self.step)
+
+    def _evaluate(self, log: MetricsLogger, name: str) -> dict[str, Any]:
+        handle = self.rollout or self.policy
+        result = handle.call("evaluate")  # type: ignore[union-attr]
+        log.log(self.step, {f"{name}/{k}": v for k, v in result.items()})
+        return result
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> Path:
+        # Rollouts already sampled ahead (async) are saved so a resume trains on them too.
+        pending = [(s, self.rollout.result(f)) for s, f in self.queue] if self.queue else []  # type: ignore[union-attr]
+        self.queue = deque((s, _Ready(t)) for s, t in pending)
+        state = {"step": self.step, "data_pos": self.data_pos, "kl_coef": self.kl_coef,
+                 "bad_steps": self.bad_steps, "queue_steps": [s for s, _ in pending],
+                 "queue_sizes": [len(t) for _, t in pending]}
+        worker_state = self.policy.call("state_dict")  # type: ignore[union-attr]
+        flat = [traj for _, trajs in pending for traj in trajs]
+        return save_checkpoint(self.run_dir, self.step, worker_state, state, flat)
+
+    def _resume(self, where: str) -> None:
+        path = latest_checkpoint(self.run_dir) if where == "auto" else Path(where)
+        if path is None:
+            raise ValueError(f"--resume auto: no checkpoint in {self.run_dir / 'checkpoints'}")
+        worker_state, state, queue = load_checkpoint(path)
+        self.policy.call("load_state_dict", worker_state)  # type: ignore[union-attr]
+        self.step, self.data_pos = int(state["step"]), int(state["data_pos"])
+        self.kl_coef, self.bad_steps = float(state["kl_coef"]), int(state["bad_steps"])
+        it = iter(queue)
+        self.queue = deque(
+            (s, _Ready([next(it) for _ in range(n)]))
+            for s, n in zip(state["queue_steps"], state["queue_sizes"], strict=True)
+        )
+        if self._replay is not None:
+            for _ in range(self.step * self.cfg.rollout_batch_size):
+                next(self._replay, None)
+        self._sync_weights()
+        logger.info("resumed from %s at step %d", path, self.step)
+
+
+class _Ready:
+    """A rollout already in hand, standing in the queue where a future would."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+    n = max(len(trajs), 1)
+    rewards = [t.total_reward for t in trajs]
+    mean = sum(rewards) / n
+    return {
+        "reward": mean,
+        "reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
+        "response_tokens": sum(t.num_policy_tokens for t in trajs) / n,
+        "turns": sum(len(t.turns) for t in trajs) / n,
+        "truncated": sum(t.truncated for t in trajs) / n,
+        "drift_events": float(sum(int(t.info.get("drift_events", 0)) for t in trajs)),
+        "env_errors": float(sum("error" in t.info for t in trajs)),
+    }

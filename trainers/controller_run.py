@@ -1,0 +1,20 @@
+"""Runs a TrainConfig and prints the outcome (separate from cli.py so tests can call it)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from trainers.config import TrainConfig
+
+
+def run(cfg: TrainConfig) -> int:
+    from trainers.controller import Trainer, TrainingError
+
+    try:
+        summary = Trainer(cfg).run()
+    except TrainingError as e:
+        print(f"agentrl train: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, indent=2))
+    return 0

@@ -1,0 +1,59 @@
+"""`agentrl plot RUN_DIR`: PNG curves of a run's metrics.jsonl (reward, KL, entropy, ...)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+DEFAULT_KEYS = ("reward", "kl", "entropy", "clip_ratio", "mismatch", "response_tokens",
+                "tokens_per_s", "time_step")
+
+
+def load_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist; pass the run directory of `agentrl train`")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_run(run_dir: str | Path, keys: tuple[str, ...] = DEFAULT_KEYS) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = load_metrics(run_dir)
+    out_dir = Path(run_dir) / "plots"
+    out_dir.mkdir(exist_ok=True)
+    written = []
+    for key in keys:
+        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
+        if not pts:
+            continue
+        fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
+        ax.plot(*zip(*pts, strict=True), marker="o", markersize=3)
+        ax.set_xlabel("step")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out_dir / f"{key}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="agentrl plot", description=__doc__)
+    parser.add_argument("run_dir")
+    parser.add_argument("--keys", nargs="*", default=list(DEFAULT_KEYS))
+    args = parser.parse_args(argv)
+    try:
+        paths = plot_run(args.run_dir, tuple(args.keys))
+    except ValueError as e:
+        print(f"agentrl plot: {e}")
+        return 2
+    for p in paths:
+        print(p)
+    return 0

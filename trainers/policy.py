@@ -1,0 +1,323 @@
+"""The policy worker: model, optimizer, (optional) reference and critic, and one RL update.
+
+It runs in a Ray actor (or in-process with `use_ray=False`). In the colocated mode it also
+owns the sampling engine, which shares the very nn.Module being trained: weight sync is a
+version bump.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from agentrl import algorithms as A
+from trainers.batch import RolloutBatch, collate, length_sorted
+from trainers.config import TrainConfig
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss of an update was NaN or inf; the update was skipped."""
+
+
+class PolicyWorker:
+    def __init__(self, cfg: TrainConfig, *, with_engine: bool = True) -> None:
+        from agentrl.models import load_model, load_tokenizer
+
+        torch.manual_seed(cfg.seed)
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(cfg.actor.model)
+        self.model = load_model(cfg.actor.model, dtype=cfg.actor.dtype)
+        self.model.train()
+        if cfg.actor.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=cfg.actor.lr,
+            betas=cfg.actor.betas,
+            weight_decay=cfg.actor.weight_decay,
+        )
+        warmup = cfg.actor.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+        )
+        self.ref_model = self._frozen_copy() if cfg.algo.kl_coef > 0 else None
+        self.critic, self.critic_opt = self._make_critic() if cfg.algo.estimator == "gae" else (None, None)
+        self.version = 0
+        self.engine = None
+        if with_engine:
+            from agentrl.engine import create_engine
+
+            self.engine = create_engine(self.model, tokenizer=self.tokenizer)
+
+    # ------------------------------------------------------------------ setup helpers
+    def _frozen_copy(self) -> torch.nn.Module:
+        ref = copy.deepcopy(self.model).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    def _make_critic(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        critic = ValueModel(copy.deepcopy(self.model))
+        opt = torch.optim.AdamW(critic.parameters(), lr=self.cfg.algo.critic_lr)
+        return critic, opt
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(pad if pad is not None else self.tokenizer.eos_token_id)
+
+    # ------------------------------------------------------------------ forward passes
+    def _logits(self, model: torch.nn.Module, batch: RolloutBatch, idx: Tensor, n: int) -> Tensor:
+        ids = batch.input_ids[idx, :n]
+        attn = (torch.arange(n)[None, :] < batch.lengths[idx][:, None]).long()
+        return model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]
+
+    def _logp(self, model: torch.nn.Module, batch: RolloutBatch, idx: Tensor, n: int) -> Tensor:
+        logits = self._logits(model, batch, idx, n)
+        return A.logprobs_from_logits(
+            logits, batch.input_ids[idx, 1:n], temperature=self.cfg.rollout.temperature
+        )
+
+    @torch.no_grad()
+    def _fill(self, batch: RolloutBatch, name: str, model: torch.nn.Module) -> None:
+        out = torch.zeros_like(batch.mask)
+        order = length_sorted(batch, range(batch.size))
+        for idx, n in batch.micro_batches(order, self.cfg.micro_batch_size):
+            if name == "values":
+                out[idx, : n - 1] = model(batch.input_ids[idx, :n], batch.lengths[idx])
+            else:
+                out[idx, : n - 1] = self._logp(model, batch, idx, n)
+        batch.extras[name] = out * batch.mask
+
+    # ------------------------------------------------------------------ the update
+    def train(self, trajectories: list, kl_coef: float) -> dict[str, float]:
+        """One RL step on a rollout batch: logprobs, advantages, PPO epochs. Returns metrics."""
+        cfg, algo = self.cfg, self.cfg.algo
+        t0 = time.perf_counter()
+        batch = collate(trajectories, self.pad_id)
+        needs_old = cfg.epochs_per_step * cfg.minibatches_per_step > 1 or (
+            algo.mismatch_correction != "none"
+        )
+        if needs_old:
+            self._fill(batch, "old_logp", self.model)
+        if self.ref_model is not None:
+            self._fill(batch, "ref_logp", self.ref_model)
+        if self.critic is not None:
+            self._fill(batch, "values", self.critic)
+        kl = None
+        if self.ref_model is not None and not algo.kl_as_loss:
+            old = batch.extras.get("old_logp", batch.rollout_logp)
+            kl = A.kl_estimate(algo.kl_estimator, old, batch.extras["ref_logp"]) * batch.mask
+        adv, ret = A.compute_advantages(
+            algo.estimator,
+            rewards_BT=batch.rewards,
+            mask_BT=batch.mask,
+            group_ids_B=batch.group_ids,
+            values_BT=batch.extras.get("values"),
+            gamma=algo.gamma,
+            lam=algo.lam if algo.estimator == "gae" else 1.0,
+            kl_BT=kl,
+            kl_coef=kl_coef if kl is not None else 0.0,
+        )
+        batch.extras["advantages"], batch.extras["returns"] = adv, ret
+        metrics = self._epochs(batch)
+        metrics.update(
+            advantage_mean=float(A.masked_mean(adv, batch.mask)),
+            advantage_std=float(adv[batch.mask.bool()].std()) if batch.mask.sum() > 1 else 0.0,
+            time_update=time.perf_counter() - t0,
+        )
+        if kl is not None:
+            metrics["kl"] = float(A.masked_mean(kl, batch.mask))
+        self.version += 1
+        if self.engine is not None:
+            # Colocated: the engine samples from self.model itself; this only bumps the version.
+            self.engine.update_weights({}, self.version)
+        return metrics
+
+    def _epochs(self, batch: RolloutBatch) -> dict[str, float]:
+        cfg = self.cfg
+        rng = random.Random(cfg.seed * 7919 + self.version)
+        sums: dict[str, float] = {}
+        count = 0
+        for _ in range(cfg.epochs_per_step):
+            rows = list(range(batch.size))
+            rng.shuffle(rows)
+            per_mb = batch.size // cfg.minibatches_per_step
+            for m in range(cfg.minibatches_per_step):
+                mb_rows = rows[m * per_mb : (m + 1) * per_mb]
+                for k, v in self._optimizer_step(batch, mb_rows).items():
+                    sums[k] = sums.get(k, 0.0) + v
+                count += 1
+        return {k: v / count for k, v in sums.items()}
+
+    def _optimizer_step(self, batch: RolloutBatch, rows: list[int]) -> dict[str, float]:
+        """Accumulate gradients over micro-batches of `rows`, then one optimizer step.
+
+        Losses are normalised by the token / sequence counts of the whole minibatch, so the
+        gradient does not depend on how it is split into micro-batches.
+        """
+        cfg, algo = self.cfg, self.cfg.algo
+        sel = torch.as_tensor(rows)
+        num_tokens = float(batch.mask[sel].sum())
+        totals = {"loss": 0.0, "entropy": 0.0, "clip_ratio": 0.0, "mismatch": 0.0}
+        self.optimizer.zero_grad(set_to_none=True)
+        for idx, n in batch.micro_batches(length_sorted(batch, rows), cfg.micro_batch_size):
+            mask = batch.rows("mask", idx, n)
+            logits = self._logits(self.model, batch, idx, n)
+            targets = batch.input_ids[idx, 1:n]
+            logp = A.logprobs_from_logits(logits, targets, temperature=cfg.rollout.temperature)
+            old = batch.rows("old_logp", idx, n) if "old_logp" in batch.extras else logp.detach()
+            loss_bt, m = A.policy_loss(
+                algo.policy_loss,
+                logp_BT=logp,
+                old_logp_BT=old,
+                advantages_BT=batch.rows("advantages", idx, n),
+                mask_BT=mask,
+                clip_low=algo.clip_low,
+                clip_high=algo.clip_high,
+                dual_clip=algo.dual_clip,
+            )
+            rollout = batch.rows("rollout_logp", idx, n)
+            if algo.mismatch_correction != "none":
+                loss_bt = loss_bt * A.mismatch_weights(
+                    algo.mismatch_correction, old_logp_BT=old, rollout_logp_BT=rollout, mask_BT=mask
+                )
+            need_entropy = algo.entropy_coef > 0
+            with torch.set_grad_enabled(need_entropy):
+                ent = A.entropy_from_logits(logits, temperature=cfg.rollout.temperature)
+            if need_entropy:
+                loss_bt = loss_bt - algo.entropy_coef * ent
+            if algo.kl_as_loss and self.ref_model is not None:
+                ref = batch.rows("ref_logp", idx, n)
+                loss_bt = loss_bt + algo.kl_coef * A.kl_estimate(algo.kl_estimator, logp, ref)
+            loss = A.aggregate_loss(
+                loss_bt,
+                mask,
+                algo.loss_agg,
+                num_tokens=num_tokens,
+                num_seqs=len(rows),
+                constant=cfg.rollout.max_new_tokens if algo.loss_agg == "constant" else None,
+            )
+            if not math.isfinite(float(loss.detach())):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise NonFiniteLossError(
+                    f"non-finite policy loss {float(loss.detach())} at version {self.version}"
+                )
+            loss.backward()
+            w = float(mask.sum()) / max(num_tokens, 1.0)
+            totals["loss"] += float(loss.detach())
+            totals["entropy"] += float(A.masked_mean(ent.detach(), mask)) * w
+            totals["clip_ratio"] += float(m["clip_ratio"]) * w
+            totals["mismatch"] += float(A.logprob_mismatch(logp.detach(), rollout, mask)) * w
+        if cfg.actor.max_grad_norm > 0:
+            totals["grad_norm"] = float(
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.actor.max_grad_norm)
+            )
+        self.optimizer.step()
+        self.scheduler.step()
+        if self.critic is not None:
+            totals["value_loss"] = self._critic_step(batch, rows, num_tokens)
+        return totals
+
+    def _critic_step(self, batch: RolloutBatch, rows: list[int], num_tokens: float) -> float:
+        assert self.critic is not None and self.critic_opt is not None
+        self.critic_opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for idx, n in batch.micro_batches(length_sorted(batch, rows), self.cfg.micro_batch_size):
+            mask = batch.rows("mask", idx, n)
+            values = self.critic(batch.input_ids[idx, :n], batch.lengths[idx])
+            loss_bt = A.value_loss(
+                values, batch.rows("values", idx, n), batch.rows("returns", idx, n), mask,
+                clip=self.cfg.algo.value_clip,
+            )
+            loss = (loss_bt * mask).sum() / max(num_tokens, 1.0)
+            loss.backward()
+            total += float(loss.detach())
+        self.critic_opt.step()
+        return total
+
+    # ------------------------------------------------------------------ sampling (colocated)
+    def collect(self, seeds: list[int], step: int) -> list:
+        from trainers.sampling import collect_for_step
+
+        self.model.eval()  # no dropout while sampling; the engine shares this module
+        try:
+            return collect_for_step(self.engine, self.cfg, self.tokenizer, seeds, step)
+        finally:
+            self.model.train()
+
+    def evaluate(self) -> dict[str, Any]:
+        from trainers.sampling import evaluate_engine
+
+        self.model.eval()
+        try:
+            return evaluate_engine(self.engine, self.cfg, self.tokenizer)
+        finally:
+            self.model.train()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "version": self.version,
+            "rng": _rng_state(),
+        }
+        if self.critic is not None:
+            state["critic"] = self.critic.state_dict()
+            state["critic_opt"] = self.critic_opt.state_dict()  # type: ignore[union-attr]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])
+        if self.critic is not None:
+            self.critic.load_state_dict(state["critic"])
+            self.critic_opt.load_state_dict(state["critic_opt"])  # type: ignore[union-attr]
+        _set_rng_state(state["rng"])
+        if self.engine is not None:
+            self.engine.update_weights({}, self.version)
+
+    def named_weights(self) -> dict[str, Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def export_hf(self, path: str) -> None:
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+
+class ValueModel(torch.nn.Module):
+    """A critic: the policy's backbone with a scalar head. Values are per target position."""
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.backbone = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
+        self.head = torch.nn.Linear(lm.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: Tensor, lengths: Tensor) -> Tensor:
+        n = input_ids.shape[1]
+        attn = (torch.arange(n)[None, :] < lengths[:, None]).long()
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attn).last_hidden_state
+        return self.head(hidden).squeeze(-1)[:, :-1]
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])

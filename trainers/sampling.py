@@ -1,0 +1,115 @@
+"""Rollouts for the trainer: env episodes against an engine, and the placed-mode rollout worker
+that receives weights in buckets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from agentrl.types import SamplingParams, Trajectory
+from trainers.config import TrainConfig
+
+
+def env_factory(cfg: TrainConfig, tokenizer: Any, *, eval_split: bool = False) -> Callable[[], Any]:
+    import gymnasium as gym
+
+    from agentrl.envs import resolve_env_id
+
+    env_id = resolve_env_id(cfg.env)
+    kwargs: dict[str, Any] = dict(cfg.env_kwargs)
+    if eval_split:
+        kwargs.update(cfg.eval_env_kwargs)
+    if cfg.rollout.max_turns is not None:
+        kwargs["max_turns"] = cfg.rollout.max_turns
+    if cfg.rollout.max_episode_tokens is not None:
+        kwargs["max_episode_tokens"] = cfg.rollout.max_episode_tokens
+    return lambda: gym.make(env_id, tokenizer=tokenizer, **kwargs)
+
+
+def sampling_params(cfg: TrainConfig, *, temperature: float | None = None) -> SamplingParams:
+    return SamplingParams(
+        temperature=cfg.rollout.temperature if temperature is None else temperature,
+        top_p=cfg.rollout.top_p,
+        max_tokens=cfg.rollout.max_new_tokens,
+    )
+
+
+def collect_for_step(
+    engine: Any, cfg: TrainConfig, tokenizer: Any, seeds: list[int], step: int
+) -> list[Trajectory]:
+    from agentrl.rollout import collect_sync
+
+    return collect_sync(
+        engine,
+        env_factory(cfg, tokenizer),
+        num_prompts=len(seeds),
+        n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+        sampling=sampling_params(cfg),
+        seeds=seeds,
+        max_episode_tokens=cfg.rollout.max_episode_tokens,
+        max_concurrency=cfg.rollout.max_concurrency,
+        group_prefix=f"s{step}-",
+    )
+
+
+def evaluate_engine(engine: Any, cfg: TrainConfig, tokenizer: Any) -> dict[str, Any]:
+    """pass@1 / pass@k on the env's held-out split (`eval_env_kwargs`)."""
+    from agentrl.rollout.evaluate import evaluate
+
+    result = evaluate(
+        engine,
+        env_factory(cfg, tokenizer, eval_split=True),
+        num_problems=cfg.eval_problems,
+        k=cfg.eval_samples,
+        sampling=sampling_params(cfg, temperature=cfg.eval_temperature),
+    )
+    return {
+        "pass@1": result.pass_at_1,
+        f"pass@{cfg.eval_samples}": result.pass_at_k,
+        "num_problems": result.num_problems,
+    }
+
+
+def weight_buckets(named: dict[str, torch.Tensor], bucket_mb: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Split a state dict into buckets of about `bucket_mb` MiB (one transfer each), instead of
+    one parameter at a time (slow) or everything at once (a full extra copy in flight)."""
+    limit = bucket_mb * 2**20
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, t in named.items():
+        bucket[name] = t
+        size += t.numel() * t.element_size()
+        if size >= limit:
+            yield bucket
+            bucket, size = {}, 0
+    if bucket:
+        yield bucket
+
+
+class RolloutWorker:
+    """Placed mode: an engine with its own copy of the weights, updated by `update_weights`."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        from agentrl.engine import create_engine
+        from agentrl.models import load_model, load_tokenizer
+
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(cfg.actor.model)
+        self.model = load_model(cfg.actor.model).eval()
+        self.engine = create_engine(self.model, tokenizer=self.tokenizer)
+
+    def collect(self, seeds: list[int], step: int) -> list[Trajectory]:
+        return collect_for_step(self.engine, self.cfg, self.tokenizer, seeds, step)
+
+    def update_weights(self, bucket: dict[str, torch.Tensor], version: int) -> int:
+        self.engine.update_weights(bucket, version)
+        return version
+
+    def evaluate(self) -> dict[str, Any]:
+        return evaluate_engine(self.engine, self.cfg, self.tokenizer)
+
+    def version(self) -> int:
+        return int(self.engine.version)
