@@ -146,6 +146,9 @@ class Trainer:
                 horizon=self.cfg.algo.kl_horizon, n_steps=len(trajs),
             )
         metrics.update(_rollout_metrics(trajs))
+        versions = [v for t in trajs for v in t.policy_versions]
+        # How many updates behind the policy the sampled tokens are (0 when on-policy).
+        metrics["policy_lag"] = float(self.step - 1 - min(versions)) if versions else 0.0
         metrics.update(kl_coef=self.kl_coef, time_rollout=t_rollout,
                        time_step=time.perf_counter() - t0)
         gen = sum(t.num_policy_tokens for t in trajs)

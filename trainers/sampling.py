@@ -113,3 +113,6 @@ class RolloutWorker:
 
     def version(self) -> int:
         return int(self.engine.version)
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}

@@ -5,6 +5,9 @@ episodes' requests together) and runs `reset`/`step` in a thread pool, because e
 block (code execution, graders). Prompt i is reset with seed seeds[i]; its n samples share the
 group id f"{group_prefix}{i}" so GRPO/RLOO baselines can be computed per group.
 
+A trajectory holds what the policy conditioned on and sampled: an observation returned with
+`terminated`/`truncated` (which no action follows) is not appended.
+
 An episode whose env raises ends there: the trajectory keeps the turns so far, is marked
 truncated and carries `info["error"]`; the other episodes are unaffected. Engine failures
 (other than a context overflow, which truncates the episode) propagate.
@@ -63,7 +66,8 @@ async def collect(
         seeds: reset seed of each prompt (default: its index).
         reset_options: reset options of each prompt.
         max_episode_tokens: budget on all tokens of an episode (prompt, actions, observations);
-            when it runs out the episode ends truncated.
+            when it runs out the episode ends truncated (an observation that leaves no room
+            for an action is not appended).
         max_concurrency: most episodes in flight (and env threads).
         progress: show a progress bar.
         group_prefix: prefix of the group ids.
@@ -193,9 +197,15 @@ async def _episode(
             )
             step.reward = float(reward)
             info = dict(step_info)
-            context, images = _observe(builder, obs, context, images)
             if terminated or truncated:
                 break
+            if max_episode_tokens is not None and (
+                len(context) + len(obs["tokens"]) >= max_episode_tokens
+            ):
+                # No room to act after this observation: end here, without it.
+                truncated, info["truncated_by"] = True, "max_episode_tokens"
+                break
+            context, images = _observe(builder, obs, context, images)
     except Exception as e:  # an env failure ends this episode only
         if isinstance(e, GenerationError):
             raise

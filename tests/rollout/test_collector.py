@@ -108,13 +108,13 @@ async def test_raising_step_recorded_without_losing_others(engine, tiny_tokenize
 async def test_token_budgets(engine, tiny_tokenizer):
     env_fn = lambda: gym.make("agentrl/Digits-v0", tokenizer=tiny_tokenizer, turns=50)  # noqa: E731
     trajs = await collect(
-        engine, env_fn, num_prompts=2, sampling=SAMPLING, max_episode_tokens=60
+        engine, env_fn, num_prompts=2, sampling=SAMPLING, max_episode_tokens=100
     )
     for t in trajs:
         assert t.truncated and not t.terminated
-        assert len(t.token_ids) <= 60
+        assert len(t.token_ids) <= 100
         assert all(x.end - x.start <= SAMPLING.max_tokens for x in t.turns)
-        assert t.info["truncated_by"] == "max_episode_tokens" or "truncated_by" in t.info
+        assert t.info["truncated_by"] == "max_episode_tokens" and len(t.turns) >= 2
 
 
 def test_collect_sync_from_a_thread(engine, tiny_tokenizer):
