@@ -53,7 +53,7 @@ def describe_machine(sb: Sandbox) -> list[str]:
     return [
         f"machine: {platform.machine()}, {os.cpu_count()} cores, Linux {platform.release()}",
         (f"python (host): {platform.python_version()}; sandbox interpreter: "
-         f"{sb.config.python_path}; {bwrap or 'bubblewrap missing'}"),
+         f"{sb.python}; {bwrap or 'bubblewrap missing'}"),
         f"active layers: {layers}; inactive: {inactive}",
     ]
 
@@ -67,7 +67,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"bare": [], "one-shot": [], "session": []}
     with sb.session() as session:
         for i in range(args.warmup + args.runs):
-            sample = {"bare": bare(sb.config.python_path), "one-shot": timed(sb.run),
+            sample = {"bare": bare(sb.python), "one-shot": timed(sb.run),
                       "session": timed(session.run)}
             if i >= args.warmup:
                 for name, value in sample.items():

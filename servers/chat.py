@@ -245,7 +245,7 @@ async def _stream(call: _Call, request: Request) -> AsyncIterator[bytes]:
     except APIError as e:
         status = "error"
         yield sse(error_body(e.status, e.message, e.code, e.param))
-    except Exception as e:  # noqa: BLE001 - an engine failure mid-stream becomes an error chunk
+    except Exception as e:
         log.exception("engine failed mid-stream")
         status = "error"
         yield sse(error_body(500, f"the engine failed mid-stream: {type(e).__name__}: {e}",

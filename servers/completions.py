@@ -114,7 +114,7 @@ async def completions(request: Request) -> Response:
     return JSONResponse({**head, "choices": choices, "usage": usage})
 
 
-async def _stream(state, req, ids, params, head, record) -> AsyncIterator[bytes]:  # noqa: ANN001
+async def _stream(state, req, ids, params, head, record) -> AsyncIterator[bytes]:
     texts = [ChoiceText(state.tokenizer, skip_ids=state.skip_ids, stops=params.stop)
              for _ in range(req.n)]
     accs = [Accumulator() for _ in range(req.n)]

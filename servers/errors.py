@@ -98,8 +98,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") in ("json_invalid", "json_type"):
         ctx = first.get("ctx", {}).get("error", "")
         return (
-            f"the request body is not valid JSON ({ctx}); send a JSON object with "
-            f"Content-Type: application/json",
+            (f"the request body is not valid JSON ({ctx}); send a JSON object with "
+            f"Content-Type: application/json"),
             None,
         )
     loc = _loc(tuple(first.get("loc", ())))

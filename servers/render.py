@@ -103,18 +103,25 @@ class ChatRenderer:
             text = self.tokenizer.apply_chat_template(
                 msgs, tools=tool_dicts, add_generation_prompt=add_generation_prompt, tokenize=False
             )
-        except Exception as e:  # noqa: BLE001 - template errors are the caller's messages
+        except Exception as e:
             raise APIError(
                 400, f"the model's chat template cannot render these messages: {e}",
                 param="messages",
             ) from e
         return self._encode(str(text), images)
 
+    def encode(self, text: str) -> list[int]:
+        # The Rust tokenizer directly: the Python wrapper costs ~0.2 ms a call, per request.
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            return backend.encode(text, add_special_tokens=False).ids
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     def render_text(self, text: str) -> Rendered:
-        return Rendered(ids=list(self.tokenizer.encode(text, add_special_tokens=False)))
+        return Rendered(ids=self.encode(text))
 
     def _encode(self, text: str, pixels: list[np.ndarray]) -> Rendered:
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        ids = self.encode(text)
         if not pixels:
             return Rendered(ids=ids)
         assert self.processor is not None  # _message rejects images without a processor

@@ -189,6 +189,14 @@ class TrainConfig:
     replay: str | None = None
     """Train on recorded trajectories (a .jsonl, consumed in order, one rollout batch per step)
     instead of sampling: offline re-training, exact-resume tests, debugging."""
+    agent: str | None = None
+    """Train a black-box agent instead of an env: "module:function" with signature
+    agent(task, base_url, api_key) (sync or async), run against the recording proxy, one
+    session per episode. Needs --agent_tasks and --agent_reward."""
+    agent_tasks: str | None = None
+    """JSON-lines file of tasks (one JSON value per line) for --agent."""
+    agent_reward: str | None = None
+    """"module:function" scoring reward(task, agent_result) -> float, for --agent."""
     actor: ActorConfig = field(default_factory=ActorConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -244,6 +252,8 @@ class TrainConfig:
             raise ValueError("--micro_batch_size and --epochs_per_step must be >= 1, --steps >= 0")
         if self.eval_samples < 1:
             raise ValueError("--eval_samples must be >= 1")
+        if self.agent and not (self.agent_tasks and self.agent_reward):
+            raise ValueError("--agent needs --agent_tasks FILE.jsonl and --agent_reward module:fn")
 
     @property
     def rollout_batch_size(self) -> int:

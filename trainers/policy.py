@@ -245,11 +245,12 @@ class PolicyWorker:
 
     # ------------------------------------------------------------------ sampling (colocated)
     def collect(self, seeds: list[int], step: int) -> list:
-        from trainers.sampling import collect_for_step
+        from trainers.sampling import collect_agent_episodes, collect_for_step
 
+        fn = collect_agent_episodes if self.cfg.agent else collect_for_step
         self.model.eval()  # no dropout while sampling; the engine shares this module
         try:
-            return collect_for_step(self.engine, self.cfg, self.tokenizer, seeds, step)
+            return fn(self.engine, self.cfg, self.tokenizer, seeds, step)
         finally:
             self.model.train()
 

@@ -55,6 +55,54 @@ def collect_for_step(
     )
 
 
+def collect_agent_episodes(
+    engine: Any, cfg: TrainConfig, tokenizer: Any, seeds: list[int], step: int
+) -> list[Trajectory]:
+    """Run the configured black-box agent through the recording proxy: prompt i of the step is
+    task `seeds[i] % len(tasks)`, run n_samples_per_prompt times as one group."""
+    import asyncio
+
+    from servers.agents import run_agents
+    from servers.app import create_app
+    from servers.config import ProxyConfig
+
+    agent_fn, reward_fn = load_callable(cfg.agent), load_callable(cfg.agent_reward)
+    tasks = load_tasks(cfg.agent_tasks)
+    n = cfg.rollout.n_samples_per_prompt
+    picked = [tasks[s % len(tasks)] for s in seeds for _ in range(n)]
+    # Agents may name the policy "agentrl" or by its model name; both are served.
+    app = create_app(engine, tokenizer, config=ProxyConfig(aliases=(cfg.actor.model,)))
+    trajs = asyncio.run(run_agents(
+        agent_fn, picked, app=app, reward_fn=reward_fn,
+        concurrency=cfg.rollout.max_concurrency, group_fn=lambda i, _t: f"s{step}-{i // n}",
+    ))
+    return trajs
+
+
+def load_callable(spec: str | None) -> Callable[..., Any]:
+    import importlib
+
+    module, _, attr = (spec or "").partition(":")
+    if not module or not attr:
+        raise ValueError(f"expected 'package.module:function', got {spec!r}")
+    fn = getattr(importlib.import_module(module), attr, None)
+    if not callable(fn):
+        raise ValueError(f"{spec!r} is not a callable")
+    return fn
+
+
+def load_tasks(path: str | None) -> list[Any]:
+    import json
+    from pathlib import Path
+
+    if not path or not Path(path).is_file():
+        raise ValueError(f"--agent_tasks {path!r} does not exist")
+    tasks = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if not tasks:
+        raise ValueError(f"--agent_tasks {path} holds no tasks")
+    return tasks
+
+
 def evaluate_engine(engine: Any, cfg: TrainConfig, tokenizer: Any) -> dict[str, Any]:
     """pass@1 / pass@k on the env's held-out split (`eval_env_kwargs`)."""
     from agentrl.rollout.evaluate import evaluate
@@ -102,7 +150,8 @@ class RolloutWorker:
         self.engine = create_engine(self.model, tokenizer=self.tokenizer)
 
     def collect(self, seeds: list[int], step: int) -> list[Trajectory]:
-        return collect_for_step(self.engine, self.cfg, self.tokenizer, seeds, step)
+        fn = collect_agent_episodes if self.cfg.agent else collect_for_step
+        return fn(self.engine, self.cfg, self.tokenizer, seeds, step)
 
     def update_weights(self, bucket: dict[str, torch.Tensor], version: int) -> int:
         self.engine.update_weights(bucket, version)

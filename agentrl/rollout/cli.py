@@ -55,7 +55,9 @@ class RolloutArgs:
     def __post_init__(self) -> None:
         for name in ("samples", "prompts", "max_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
 
 
 def main(argv: list[str]) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 
 from agentrl.sandbox.config import SandboxConfig
@@ -29,12 +30,15 @@ _MB = 1 << 20
 # The sandbox has no /etc and no HOME on the host: a small explicit environment only.
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
         "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-# `sh` joins the cgroup with its own pid, reports "started" on the status fd (so a non-zero
-# exit of the code can be told from a chain that never started), then execs the rest.
-# (dash redirects only fds 0-9, hence /dev/fd/N; the fd stays open, which is harmless: code
-# that runs can only prove the chain started, never hide it.)
-_JOIN = ('fd=$1; shift; while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; '
-         'shift; [ "$fd" = - ] || echo started > "/dev/fd/$fd"; exec "$@"')
+# `sh` joins the cgroup with its own pid before exec'ing the rest (as root, before setpriv).
+_JOIN = ('while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; '
+         'exec "$@"')
+# The last stage before python, inside every other layer: report "started" on fd 0 (the
+# status pipe), then give python /dev/null as stdin. bwrap reports its child's pid before it
+# sets up the mounts, so only this notice tells "the code ran and failed" (error) from "the
+# sandbox never came up" (sandbox_error); code cannot un-send it, and cannot send it early.
+_NOTICE = 'echo started >&0 && exec "$@" </dev/null'
+NOTICE = ["/bin/sh", "-c", _NOTICE, "sh"]
 # With a cgroup the address-space rlimit is only a coarse backstop: thread stacks and
 # allocator arenas reserve far more virtual memory than they touch.
 _AS_BACKSTOP_FACTOR = 4
@@ -46,6 +50,8 @@ class Plan:
 
     bwrap: str | None
     """Resolved bubblewrap path; None only in the opted-in unisolated tier."""
+    python: str
+    """Interpreter the code runs under."""
     drop_uid: int | None
     """uid to switch to (caller is root); None when already unprivileged."""
     has_cgroup: bool
@@ -57,6 +63,19 @@ def resolve_bwrap(cfg: SandboxConfig) -> str | None:
     if "/" in cfg.bwrap_path:
         return cfg.bwrap_path if os.access(cfg.bwrap_path, os.X_OK) else None
     return shutil.which(cfg.bwrap_path)
+
+
+def resolve_python(cfg: SandboxConfig) -> str | None:
+    """The sandbox interpreter: the configured one, else a system python under /usr."""
+    if cfg.python_path is not None:
+        candidates = [cfg.python_path]
+    else:  # The running interpreter may be a venv or pyenv build outside /usr: not visible.
+        base = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+        candidates = ["/usr/bin/python3", *([base] if base.startswith("/usr/") else [])]
+    for path in candidates:
+        if os.access(path, os.X_OK):
+            return path
+    return None
 
 
 def rlimit_args(cfg: SandboxConfig, *, cpu_time_s: float | None, nproc: bool,
@@ -93,13 +112,13 @@ def bwrap_args(cfg: SandboxConfig, plan: Plan, *, status_fd: int, seccomp_fd: in
     args = [plan.bwrap, "--unshare-all", "--unshare-user", "--disable-userns",
             "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--ro-bind", "/usr", "/usr", *_root_links()]
-    for path in cfg.extra_ro_paths:
-        args += ["--ro-bind", path, path]
     args += ["--proc", "/proc", "--dev", "/dev",
              "--size", size, "--tmpfs", "/dev/shm",
              "--size", size, "--tmpfs", "/tmp",
              # The work dir also holds the code, so it is sized to fit even a 14 MB program.
              "--size", str(cfg.disk_mb * _MB + code_bytes), "--tmpfs", WORK_DIR]
+    for path in cfg.extra_ro_paths:  # After the tmpfs mounts, so /tmp/... paths stay visible.
+        args += ["--ro-bind", path, path]
     if code_fd is not None:
         args += ["--perms", "0644", "--file", str(code_fd), f"{WORK_DIR}/{CODE_NAME}"]
     if seccomp_fd is not None:
@@ -111,12 +130,11 @@ def bwrap_args(cfg: SandboxConfig, plan: Plan, *, status_fd: int, seccomp_fd: in
     return [*args, "--"]
 
 
-def outer_args(plan: Plan, procs_files: list[str], status_fd: int | None) -> list[str]:
+def outer_args(plan: Plan, procs_files: list[str]) -> list[str]:
     """The stages before bwrap: join the cgroup (as root), then drop privileges."""
     args: list[str] = []
-    if procs_files or status_fd is not None:
-        fd = "-" if status_fd is None else str(status_fd)
-        args += ["/bin/sh", "-c", _JOIN, "sh", fd, *procs_files, "--"]
+    if procs_files:
+        args += ["/bin/sh", "-c", _JOIN, "sh", *procs_files, "--"]
     if plan.drop_uid is not None:
         uid = str(plan.drop_uid)
         args += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",

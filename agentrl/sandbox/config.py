@@ -47,12 +47,18 @@ class SandboxConfig:
     """RLIMIT_NOFILE, so fd exhaustion stays inside the sandbox."""
     bwrap_path: str = "bwrap"
     """bubblewrap executable (name on PATH or absolute path)."""
-    python_path: str = "/usr/bin/python3"
-    """Interpreter run inside the sandbox; must live under /usr (or under `extra_ro_paths`)."""
+    python_path: str | None = None
+    """Interpreter run inside the sandbox; it must live under /usr or `extra_ro_paths`. None:
+    /usr/bin/python3, else this process's base interpreter if it lives under /usr."""
     extra_ro_paths: tuple[str, ...] = ()
-    """Host paths bound read-only at the same place, e.g. a site-packages the code may import."""
+    """Host paths bound read-only at the same place; they must be readable by `sandbox_uid`
+    (not under a 0700 /root). To let the code import a venv's packages (sympy, numpy):
+    python_path=<venv>/bin/python, extra_ro_paths=(<venv>, <its base prefix>)."""
     sandbox_uid: int = 65534
     """Unprivileged uid the sandbox runs as when the caller is root (nobody)."""
+    max_concurrent: int | None = None
+    """Executions (one-shot runs and session calls) running at once per Sandbox; more wait,
+    and the wait is not charged to their timeout. None: 2 x CPU cores, at least 4."""
     seccomp: bool = True
     """Install the seccomp deny-list (x86_64 only; elsewhere this layer is skipped)."""
 
@@ -67,6 +73,9 @@ class SandboxConfig:
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"SandboxConfig.{name} must be a positive finite number, "
                                  f"got {value!r}")
+        if self.max_concurrent is not None and self.max_concurrent < 1:
+            raise ValueError(f"SandboxConfig.max_concurrent must be None or >= 1, got "
+                             f"{self.max_concurrent}")
         for name in ("cpu_time_s", "cpu_cores"):
             value = getattr(self, name)
             if value is not None and (not math.isfinite(value) or value <= 0):
@@ -83,7 +92,7 @@ class SandboxConfig:
                              f"got {self.memory_mb}")
         if not 0 <= self.sandbox_uid < 2**32 - 1:
             raise ValueError(f"SandboxConfig.sandbox_uid must be a uid, got {self.sandbox_uid}")
-        if not self.python_path.startswith("/"):
+        if self.python_path is not None and not self.python_path.startswith("/"):
             raise ValueError(f"SandboxConfig.python_path must be absolute, got "
                              f"{self.python_path!r}")
         for path in self.extra_ro_paths:

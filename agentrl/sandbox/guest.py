@@ -1,13 +1,14 @@
 """Session guest: the persistent interpreter that runs *inside* the sandbox.
 
-Not imported by the package: `session.py` passes this file's source to `python3 -I -u -c`, so
-it must stay stdlib-only and self-contained. Protocol (host -> guest on the original stdin):
-a 16-byte header `!Qd` (code length, CPU seconds or 0) then the UTF-8 code; (guest -> host on
-the fd named in argv[1]) one JSON line per call, `{"rc": int, "exc": name|null}`, written only
-after stdout/stderr are flushed, so the host has all of a call's output once it sees the line.
+Not imported by the package: `launch.py` passes this file's source to `python3 -I -u -c`, so
+it must stay stdlib-only and self-contained. Protocol (host -> guest on the fd named in
+argv[1]): a 16-byte header `!Qd` (code length, CPU seconds or 0) then the UTF-8 code; (guest
+-> host on the fd named in argv[2]) one JSON line per call, `{"rc": int, "exc": name|null}`,
+written only after stdout/stderr are flushed, so the host has all of a call's output once it
+sees the line.
 
-User code gets /dev/null as stdin (an `input()` ends at once instead of reading the protocol)
-and runs in one namespace like a notebook: the value of a trailing expression is printed.
+stdin is /dev/null (an `input()` ends at once), and the code runs in one namespace like a
+notebook cell: the value of a trailing expression is printed.
 """
 
 import ast
@@ -52,7 +53,7 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def _run_cell(source: str, namespace: dict, filename: str) -> tuple[int, str | None]:
+def _run_cell(source: str, namespace: dict[str, object], filename: str) -> tuple[int, str | None]:
     """Execute like a notebook cell; returns (exit-like code, exception name)."""
     try:
         tree = ast.parse(source, filename)
@@ -61,7 +62,8 @@ def _run_cell(source: str, namespace: dict, filename: str) -> tuple[int, str | N
         return 1, type(exc).__name__
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+        last = ast.Expression(tree.body[-1].value)
+        tree.body.pop()
     # Tracebacks then show the offending source line, as they would for a file.
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     try:
@@ -74,7 +76,8 @@ def _run_cell(source: str, namespace: dict, filename: str) -> tuple[int, str | N
         return _exit_code(exc), None
     except BaseException as exc:  # noqa: BLE001 - report everything, as python would.
         try:
-            traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
+            tb = exc.__traceback__
+            traceback.print_exception(type(exc), exc, tb.tb_next if tb else None)
         except BaseException:  # noqa: BLE001 - e.g. MemoryError while formatting.
             os.write(2, f"{type(exc).__name__}\n".encode())
         return 1, type(exc).__name__
@@ -84,17 +87,13 @@ def _run_cell(source: str, namespace: dict, filename: str) -> tuple[int, str | N
 def _flush() -> None:
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         try:
-            stream.flush()
+            stream.flush()  # type: ignore[union-attr]  # None is caught below.
         except BaseException:  # noqa: BLE001, S110 - user code may have replaced or closed it.
             pass
 
 
 def main() -> None:
-    msg_fd = int(sys.argv[1])
-    ctl_fd = os.dup(0)
-    null_fd = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null_fd, 0)
-    os.close(null_fd)
+    ctl_fd, msg_fd = int(sys.argv[1]), int(sys.argv[2])
     # Subprocesses of user code must not inherit the protocol fds.
     os.set_inheritable(msg_fd, False)
     os.set_inheritable(ctl_fd, False)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import tempfile
 import threading
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 from agentrl.sandbox.cgroup import Cgroup, CgroupFactory
 from agentrl.sandbox.command import (
     CODE_NAME,
+    NOTICE,
     WORK_DIR,
     Plan,
     bwrap_args,
@@ -86,25 +86,24 @@ def _start(cfg: SandboxConfig, plan: Plan, code: bytes | None, cpu_time_s: float
            cgroup: Cgroup | None, status_r: int, status_w: int,
            parent_fds: list[int]) -> Child:
     isolated = plan.bwrap is not None
-    msg_r = stdin_w = None
-    stdin = subprocess.DEVNULL
-    python = [cfg.python_path, "-I", "-u"]
-    if code is None:  # Session guest: protocol in on stdin, replies out on a message pipe.
+    python = [plan.python, "-I", "-u"]
+    msg_r = ctl_w = None
+    if code is None:  # Session guest: code in on a control pipe, replies on a message pipe.
         msg_r, msg_w = os.pipe()
-        stdin, stdin_w = os.pipe()
-        parent_fds += [msg_w, stdin]
-        python += ["-c", GUEST_SOURCE, str(msg_w)]
+        ctl_r, ctl_w = os.pipe()
+        parent_fds += [msg_w, ctl_r]
+        python += ["-c", GUEST_SOURCE, str(ctl_r), str(msg_w)]
     procs = cgroup.procs_files if cgroup is not None else []
+    rlimits = rlimit_args(cfg, cpu_time_s=cpu_time_s, nproc=isolated or plan.drop_uid is not None,
+                          has_cgroup=cgroup is not None)
     work_dir = None
     if isolated:
         code_fd = None if code is None else _memfd("agentrl-code", code)
         seccomp_fd = None if plan.seccomp is None else _memfd("agentrl-seccomp", plan.seccomp)
         parent_fds += [fd for fd in (code_fd, seccomp_fd) if fd is not None]
-        argv = [*outer_args(plan, procs, None),
+        argv = [*outer_args(plan, procs),
                 *bwrap_args(cfg, plan, status_fd=status_w, seccomp_fd=seccomp_fd,
-                            code_fd=code_fd, code_bytes=len(code or b"")),
-                *rlimit_args(cfg, cpu_time_s=cpu_time_s, nproc=True,
-                             has_cgroup=cgroup is not None)]
+                            code_fd=code_fd, code_bytes=len(code or b"")), *rlimits]
         env, cwd = isolated_env(), None
         if code is not None:
             python.append(f"{WORK_DIR}/{CODE_NAME}")
@@ -115,17 +114,15 @@ def _start(cfg: SandboxConfig, plan: Plan, code: bytes | None, cpu_time_s: float
             python.append(os.path.join(work_dir, CODE_NAME))
         if plan.drop_uid is not None:
             os.chown(work_dir, plan.drop_uid, plan.drop_uid)
-        argv = [*outer_args(plan, procs, status_w),
-                *rlimit_args(cfg, cpu_time_s=cpu_time_s, nproc=plan.drop_uid is not None,
-                             has_cgroup=cgroup is not None)]
+        argv = [*outer_args(plan, procs), *rlimits]
         env, cwd = unisolated_env(work_dir), work_dir
-    pass_fds = tuple(fd for fd in parent_fds if fd != stdin)
-    try:
-        proc = spawn([*argv, *python], env=env, stdin=stdin, pass_fds=pass_fds, cwd=cwd)
+    try:  # stdin is the status pipe until NOTICE swaps in /dev/null.
+        proc = spawn([*argv, *NOTICE, *python], env=env, stdin=status_w,
+                     pass_fds=tuple(parent_fds), cwd=cwd)
     except OSError as exc:
         raise StartError(f"cannot start {argv[0]}: {exc}") from exc
     return Child(proc, cap=cfg.max_output_bytes, isolated=isolated, status_r=status_r,
-                 msg_r=msg_r, stdin_w=stdin_w, cgroup=cgroup, work_dir=work_dir)
+                 msg_r=msg_r, stdin_w=ctl_w, cgroup=cgroup, work_dir=work_dir)
 
 
 def exit_status(child: Child) -> tuple[Status, int | None]:

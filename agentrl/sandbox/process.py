@@ -31,7 +31,16 @@ _KILL_WAIT_S = 10.0
 # One long-lived spawning thread: bwrap --die-with-parent uses PR_SET_PDEATHSIG, which fires
 # when the *thread* that forked it exits. A session started from a short-lived worker thread
 # would otherwise be killed the moment that thread returned.
-_spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentrl-sandbox-spawn")
+_spawner: list[ThreadPoolExecutor] = []
+
+
+def _new_spawner() -> None:
+    """(Re)create the spawner; after fork() the child has the executor but not its thread."""
+    _spawner[:] = [ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentrl-sandbox-spawn")]
+
+
+_new_spawner()
+os.register_at_fork(after_in_child=_new_spawner)
 
 
 def spawn(argv: list[str], *, env: dict[str, str], stdin: int, pass_fds: tuple[int, ...],
@@ -41,7 +50,7 @@ def spawn(argv: list[str], *, env: dict[str, str], stdin: int, pass_fds: tuple[i
         return subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, env=env, cwd=cwd, pass_fds=pass_fds,
                                 close_fds=True, process_group=0)
-    return _spawner.submit(start).result()
+    return _spawner[0].submit(start).result()
 
 
 def _pidfd_open(pid: int) -> int | None:
@@ -60,7 +69,7 @@ class Child:
         assert proc.stdout is not None and proc.stderr is not None
         self.proc, self.cap, self.isolated = proc, cap, isolated
         self.cgroup, self.work_dir = cgroup, work_dir
-        self.started_at = time.monotonic()
+        self._owner = os.getpid()
         self._out_fd, self._err_fd = proc.stdout.fileno(), proc.stderr.fileno()
         self._status_r, self._msg_r, self._stdin_w = status_r, msg_r, stdin_w
         self.buffers: dict[int, bytearray] = {fd: bytearray() for fd in
@@ -90,9 +99,8 @@ class Child:
 
     @property
     def started(self) -> bool:
-        """The chain reached the sandboxed program (bwrap's child-pid, or sh's notice)."""
-        text = self.buffers[self._status_r]
-        return b'"child-pid"' in text or b"started" in text
+        """Every layer is up and python was about to be exec'd (command.NOTICE said so)."""
+        return b"started" in bytes(self.buffers[self._status_r]).splitlines()
 
     def send(self, data: bytes) -> None:
         """Queue bytes for the session's stdin; `pump` writes them without blocking."""
@@ -215,23 +223,29 @@ class Child:
                 return
 
     def _kill_tree(self) -> None:
-        """SIGKILL the whole sandbox: its init (the PID namespace dies with it), the group."""
-        if self._init_pidfd is not None:
+        """SIGKILL the whole sandbox: its init (the PID namespace dies with it, and bwrap then
+        reaps it and exits), else the process group; then whatever the cgroup still holds."""
+        if self.isolated and self._init_pidfd is not None:
             try:
                 signal.pidfd_send_signal(self._init_pidfd, signal.SIGKILL)
             except OSError:
                 pass
-        if self._init_pidfd is None or self.proc.poll() is not None or not self.isolated:
+        else:
+            self._killpg()
+        if self.cgroup is not None:
+            self.cgroup.kill()
+
+    def _killpg(self) -> None:
+        # Only while unreaped: afterwards the pid (= our process group id) may be reused.
+        if self.proc.returncode is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except OSError:
                 pass
-        if self.cgroup is not None:
-            self.cgroup.kill()
 
     def close(self) -> None:
         """Kill everything, reap, verify nothing is left, release every resource. Idempotent."""
-        if self.closed:
+        if self.closed or os.getpid() != self._owner:  # A fork() child must not kill ours.
             return
         self.closed = True
         self.drain_status()
@@ -239,7 +253,7 @@ class Child:
         try:
             self.proc.wait(timeout=_KILL_WAIT_S)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            self._killpg()
             self.proc.wait()
         self.leaked = not self._verify_empty()
         if self.leaked:

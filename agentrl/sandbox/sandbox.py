@@ -7,7 +7,7 @@ import os
 import threading
 import time
 
-from agentrl.sandbox.command import Plan, resolve_bwrap
+from agentrl.sandbox.command import Plan, resolve_bwrap, resolve_python
 from agentrl.sandbox.config import (
     ALLOW_UNISOLATED_ENV,
     ExecResult,
@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 _PROBE_CODE = "import sys; print(6 * 7); sys.stdout.flush()"
 _probe_lock = threading.Lock()
-_probe_cache: dict[tuple[object, ...], Plan | str] = {}
+_probe_cache: dict[tuple[SandboxConfig, bool], Plan | str] = {}
 _FIX = (
     "Fix: install bubblewrap (`apt-get install -y bubblewrap`) and allow unprivileged user "
     "namespaces (Docker: a seccomp profile that permits them, e.g. `--security-opt "
@@ -44,16 +44,19 @@ def _probe(cfg: SandboxConfig, plan: Plan) -> str | None:
 
 def _isolated_plan(cfg: SandboxConfig) -> Plan | str:
     """The strongest plan that works here, or why bubblewrap cannot be used."""
-    bwrap = resolve_bwrap(cfg)
+    bwrap, python = resolve_bwrap(cfg), resolve_python(cfg)
     if bwrap is None:
         return f"bubblewrap was not found ({cfg.bwrap_path!r} is not an executable)"
+    if python is None:
+        return (f"no sandbox interpreter: {cfg.python_path or '/usr/bin/python3'} is missing "
+                f"(set SandboxConfig.python_path to a python under /usr or extra_ro_paths)")
     drop_uid = cfg.sandbox_uid if os.geteuid() == 0 else None
     seccomp = build_filter() if cfg.seccomp else None
     has_cgroup = cgroup_factory() is not None
-    plan = Plan(bwrap, drop_uid, has_cgroup, seccomp)
+    plan = Plan(bwrap, python, drop_uid, has_cgroup, seccomp)
     why = _probe(cfg, plan)
     if why is not None and has_cgroup:  # The cgroup layer is optional: retry without it.
-        plan = Plan(bwrap, drop_uid, False, seccomp)
+        plan = Plan(bwrap, python, drop_uid, False, seccomp)
         if _probe(cfg, plan) is None:
             logger.warning("agentrl.sandbox: running without the cgroup layer: %s", why)
             return plan
@@ -61,9 +64,8 @@ def _isolated_plan(cfg: SandboxConfig) -> Plan | str:
 
 
 def _plan_for(cfg: SandboxConfig, allow_unisolated: bool) -> Plan:
-    """Cached per isolation-relevant settings, so constructing many Sandboxes is cheap."""
-    key = (cfg.bwrap_path, cfg.python_path, cfg.extra_ro_paths, cfg.sandbox_uid, cfg.seccomp,
-           allow_unisolated)
+    """Cached per config, so constructing many Sandboxes is cheap."""
+    key = (cfg, allow_unisolated)
     with _probe_lock:
         if key not in _probe_cache:
             found = _isolated_plan(cfg)
@@ -78,7 +80,10 @@ def _plan_for(cfg: SandboxConfig, allow_unisolated: bool) -> Plan:
 
 
 def _unisolated_plan(cfg: SandboxConfig, why: str) -> Plan | str:
-    plan = Plan(None, cfg.sandbox_uid if os.geteuid() == 0 else None,
+    python = resolve_python(cfg)
+    if python is None:
+        return f"{why}; no interpreter for the unisolated tier either"
+    plan = Plan(None, python, cfg.sandbox_uid if os.geteuid() == 0 else None,
                 cgroup_factory() is not None, None)
     failed = _probe(cfg, plan)
     if failed is not None:
@@ -108,11 +113,18 @@ class Sandbox:
         self.config = config or SandboxConfig()
         allow = allow_unisolated or os.environ.get(ALLOW_UNISOLATED_ENV, "") == "1"
         self._plan = _plan_for(self.config, allow)
+        slots = self.config.max_concurrent or max(4, 2 * (os.cpu_count() or 1))
+        self._slots = threading.BoundedSemaphore(slots)
 
     @property
     def isolated(self) -> bool:
         """bubblewrap (namespaces) is in use; False only in the opted-in unisolated tier."""
         return self._plan.bwrap is not None
+
+    @property
+    def python(self) -> str:
+        """The interpreter the code runs under (resolved when the sandbox was built)."""
+        return self._plan.python
 
     @property
     def layers(self) -> dict[str, bool]:
@@ -133,8 +145,9 @@ class Sandbox:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         if not isinstance(code, str):
             raise TypeError(f"code must be str, got {type(code).__name__}")
-        return run_once(self.config, self._plan, code, timeout, time.monotonic())
+        with self._slots:
+            return run_once(self.config, self._plan, code, timeout, time.monotonic())
 
     def session(self) -> Session:
         """A persistent interpreter (one per episode); starts on its first `run`."""
-        return Session(self.config, self._plan)
+        return Session(self.config, self._plan, self._slots)

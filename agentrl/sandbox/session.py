@@ -43,8 +43,10 @@ class _Holder:
 class Session:
     """`run` code in one namespace across calls; `close` (or `with`) kills everything."""
 
-    def __init__(self, config: SandboxConfig, plan: Plan) -> None:
+    def __init__(self, config: SandboxConfig, plan: Plan,
+                 slots: threading.BoundedSemaphore | None = None) -> None:
         self._cfg, self._plan = config, plan
+        self._slots = slots or threading.BoundedSemaphore(1)
         self._lock = threading.Lock()
         self._holder = _Holder()
         self._finalizer = weakref.finalize(self, self._holder.close)
@@ -74,12 +76,15 @@ class Session:
         timeout = self._cfg.timeout_s if timeout_s is None else timeout_s
         if not timeout > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
-        with self._lock:
+        with self._lock, self._slots:
             if self._closed:
                 raise RuntimeError("Session.run after close(); open a new one with "
                                    "Sandbox.session()")
             clock = time.monotonic()
             note, restarted = "", False
+            if self._holder.child is not None and self._holder.child.proc.poll() is not None:
+                self._holder.close()  # Died between calls (a background thread's doing).
+                self._lost = "it ended between calls"
             if self._holder.child is None:
                 try:
                     self._holder.child = start(self._cfg, self._plan, code=None, cpu_time_s=None)

@@ -22,10 +22,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16)
 
 def hf_greedy(model, prompt, max_new_tokens):
     out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+        torch.tensor([prompt]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
     )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def recompute_logprobs(model, prompt, completion, temperature=1.0, top_k=0, top_p=1.0):
@@ -35,9 +37,7 @@ def recompute_logprobs(model, prompt, completion, temperature=1.0, top_k=0, top_
         logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
     if top_k or top_p < 1:
         n = logits.shape[0]
-        logits = filter_top_k_top_p(
-            logits, torch.full((n,), top_k), torch.full((n,), float(top_p))
-        )
+        logits = filter_top_k_top_p(logits, torch.full((n,), top_k), torch.full((n,), float(top_p)))
     lp = torch.log_softmax(logits, -1)
     return lp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
 
@@ -78,7 +78,9 @@ async def test_seeded_sampling_is_reproducible(engine, prompts):
     ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 20, 1.0), (0.8, 0, 0.9)]
 )
 async def test_logprobs_match_recomputed_forward(engine, model, prompts, temperature, top_k, top_p):
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=12, seed=1, n=2)
+    params = SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=12, seed=1, n=2
+    )
     for c in await engine.generate(prompts[2], params):
         ref = recompute_logprobs(model, prompts[2], c.token_ids, temperature, top_k, top_p)
         torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=1e-4, rtol=0)
@@ -89,7 +91,10 @@ async def test_raw_logprobs_are_the_model_distribution(engine, model, prompts):
     params = SamplingParams(temperature=0.5, top_k=5, max_tokens=10, seed=3, raw_logprobs=True)
     [c] = await engine.generate(prompts[1], params)
     torch.testing.assert_close(
-        torch.tensor(c.logprobs), recompute_logprobs(model, prompts[1], c.token_ids), atol=1e-4, rtol=0
+        torch.tensor(c.logprobs),
+        recompute_logprobs(model, prompts[1], c.token_ids),
+        atol=1e-4,
+        rtol=0,
     )
     processed = recompute_logprobs(model, prompts[1], c.token_ids, 0.5, 5)
     assert not torch.allclose(torch.tensor(c.logprobs), processed, atol=1e-3)
@@ -165,8 +170,13 @@ async def test_prompt_too_long(engine):
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"n": 0}, "n must be"), ({"max_tokens": -1}, "max_tokens"), ({"top_p": 0.0}, "top_p"),
-     ({"top_p": 1.5}, "top_p"), ({"temperature": -1}, "temperature")],
+    [
+        ({"n": 0}, "n must be"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"temperature": -1}, "temperature"),
+    ],
 )
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -209,8 +219,10 @@ async def test_colocated_model_update_is_a_version_bump(tiny_tokenizer, prompts)
     with TransformersEngine(model, tiny_tokenizer) as engine:
         [before] = await engine.generate(prompts[0], GREEDY)
         assert model.training  # generation left the trainer's mode alone
-        loss = model(torch.tensor([prompts[0] + before.token_ids]), labels=torch.tensor(
-            [prompts[0] + before.token_ids])).loss
+        loss = model(
+            torch.tensor([prompts[0] + before.token_ids]),
+            labels=torch.tensor([prompts[0] + before.token_ids]),
+        ).loss
         loss.backward()  # autograd still works on the shared module
         opt.step()
         ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}

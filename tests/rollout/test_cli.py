@@ -8,8 +8,24 @@ from agentrl.types import load_jsonl
 
 def test_rollout_cli_writes_jsonl(tmp_path, capsys):
     out = tmp_path / "r.jsonl"
-    rc = main(["rollout", "--env", "reverse", "--model", "tiny", "-n", "2", "--prompts", "3",
-               "--max-tokens", "8", "--out", str(out), "--no-progress"])
+    rc = main(
+        [
+            "rollout",
+            "--env",
+            "reverse",
+            "--model",
+            "tiny",
+            "-n",
+            "2",
+            "--prompts",
+            "3",
+            "--max-tokens",
+            "8",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     trajs = load_jsonl(out)
     assert len(trajs) == 6 and [t.group for t in trajs] == ["0", "0", "1", "1", "2", "2"]

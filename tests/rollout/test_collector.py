@@ -47,10 +47,22 @@ class FlakyEnv(ChatEnv):
 async def test_single_turn_groups_and_order(engine, tiny_tokenizer):
     env_fn = Recorder(lambda: gym.make("agentrl/Reverse-v0", tokenizer=tiny_tokenizer))
     trajs = await collect(
-        engine, env_fn, num_prompts=3, n_samples_per_prompt=2, sampling=SAMPLING,
-        seeds=[10, 11, 12], group_prefix="step0-",
+        engine,
+        env_fn,
+        num_prompts=3,
+        n_samples_per_prompt=2,
+        sampling=SAMPLING,
+        seeds=[10, 11, 12],
+        group_prefix="step0-",
     )
-    assert [t.group for t in trajs] == ["step0-0", "step0-0", "step0-1", "step0-1", "step0-2", "step0-2"]
+    assert [t.group for t in trajs] == [
+        "step0-0",
+        "step0-0",
+        "step0-1",
+        "step0-1",
+        "step0-2",
+        "step0-2",
+    ]
     assert [(t.info["prompt_index"], t.info["sample_index"]) for t in trajs] == [
         (i, j) for i in range(3) for j in range(2)
     ]
@@ -106,10 +118,8 @@ async def test_raising_step_recorded_without_losing_others(engine, tiny_tokenize
 
 
 async def test_token_budgets(engine, tiny_tokenizer):
-    env_fn = lambda: gym.make("agentrl/Digits-v0", tokenizer=tiny_tokenizer, turns=50)  # noqa: E731
-    trajs = await collect(
-        engine, env_fn, num_prompts=2, sampling=SAMPLING, max_episode_tokens=100
-    )
+    env_fn = lambda: gym.make("agentrl/Digits-v0", tokenizer=tiny_tokenizer, turns=50)
+    trajs = await collect(engine, env_fn, num_prompts=2, sampling=SAMPLING, max_episode_tokens=100)
     for t in trajs:
         assert t.truncated and not t.terminated
         assert len(t.token_ids) <= 100
@@ -122,8 +132,11 @@ def test_collect_sync_from_a_thread(engine, tiny_tokenizer):
 
     def work():
         out["trajs"] = collect_sync(
-            engine, lambda: gym.make("agentrl/Reverse-v0", tokenizer=tiny_tokenizer),
-            num_prompts=2, sampling=SAMPLING, progress=True,
+            engine,
+            lambda: gym.make("agentrl/Reverse-v0", tokenizer=tiny_tokenizer),
+            num_prompts=2,
+            sampling=SAMPLING,
+            progress=True,
         )
 
     th = threading.Thread(target=work)
@@ -133,7 +146,7 @@ def test_collect_sync_from_a_thread(engine, tiny_tokenizer):
 
 
 async def test_seeded_collection_repeats(engine, tiny_tokenizer):
-    env_fn = lambda: gym.make("agentrl/Reverse-v0", tokenizer=tiny_tokenizer)  # noqa: E731
+    env_fn = lambda: gym.make("agentrl/Reverse-v0", tokenizer=tiny_tokenizer)
     a = await collect(engine, env_fn, num_prompts=2, n_samples_per_prompt=2, sampling=SAMPLING)
     b = await collect(engine, env_fn, num_prompts=2, n_samples_per_prompt=2, sampling=SAMPLING)
     assert [t.token_ids for t in a] == [t.token_ids for t in b]
@@ -141,8 +154,12 @@ async def test_seeded_collection_repeats(engine, tiny_tokenizer):
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"num_prompts": -1}, "num_prompts"), ({"n_samples_per_prompt": 0}, "n_samples_per_prompt"),
-     ({"seeds": [1]}, "seeds has 1"), ({"max_concurrency": 0}, "max_concurrency")],
+    [
+        ({"num_prompts": -1}, "num_prompts"),
+        ({"n_samples_per_prompt": 0}, "n_samples_per_prompt"),
+        ({"seeds": [1]}, "seeds has 1"),
+        ({"max_concurrency": 0}, "max_concurrency"),
+    ],
 )
 async def test_bad_arguments(engine, kwargs, match):
     args = {"num_prompts": 2, "sampling": SAMPLING, **kwargs}

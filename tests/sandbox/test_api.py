@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
+import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,6 +43,36 @@ def test_fails_closed_when_bubblewrap_cannot_start(bwrap_present: None, tmp_path
     fake.chmod(0o755)
     with pytest.raises(SandboxUnavailableError, match=r"(?s)does not work here.*apt-get install"):
         Sandbox(FAST.replace(bwrap_path=str(fake)))
+
+
+def test_fails_closed_without_an_interpreter(bwrap_present: None) -> None:
+    with pytest.raises(SandboxUnavailableError, match="no sandbox interpreter: /usr/nope/python"):
+        Sandbox(FAST.replace(python_path="/usr/nope/python"))
+
+
+def test_extra_ro_paths_are_importable_and_read_only(bwrap_present: None) -> None:
+    """The hook math-tir can use to offer packages (sympy): bind them read-only."""
+    shared = tempfile.mkdtemp(prefix="agentrl-sandbox-lib-", dir="/tmp")
+    try:
+        os.chmod(shared, 0o755)  # Readable by the sandbox's unprivileged uid.
+        Path(shared, "mathtool.py").write_text("ANSWER = 42\n")
+        sb = Sandbox(FAST.replace(extra_ro_paths=(shared,)))
+        r = sb.run(f"import sys\nsys.path.insert(0, {shared!r})\nimport mathtool\n"
+                   f"print(mathtool.ANSWER)\nopen({shared!r} + '/mathtool.py', 'a')")
+        assert (r.status, r.stdout) == ("error", "42\n") and "Errno" in r.stderr, r
+        assert Path(shared, "mathtool.py").read_text() == "ANSWER = 42\n"
+    finally:
+        shutil.rmtree(shared)
+
+
+def test_setup_failure_is_a_sandbox_error_not_the_codes(bwrap_present: None) -> None:
+    """bwrap reports its child before mounting; a failed mount must not read as `error`."""
+    hidden = tempfile.mkdtemp(prefix="agentrl-sandbox-hidden-", dir="/tmp")  # 0700: unreadable
+    try:
+        with pytest.raises(SandboxUnavailableError, match="status 'sandbox_error'"):
+            Sandbox(FAST.replace(extra_ro_paths=(os.path.join(hidden, "x"),)))
+    finally:
+        shutil.rmtree(hidden)
 
 
 def test_isolation_available_here(bwrap_present: None) -> None:
@@ -108,6 +141,23 @@ def test_probe_is_cached_so_construction_is_cheap(sb: Sandbox) -> None:
     for _ in range(50):
         Sandbox(FAST)
     assert time.perf_counter() - start < 0.5
+
+
+def test_concurrency_is_bounded_and_waiting_is_not_charged(bwrap_present: None) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    sb = Sandbox(FAST.replace(max_concurrent=1, timeout_s=0.9))
+    start = time.monotonic()
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda _: sb.run("import time; time.sleep(0.4)"), range(3)))
+    assert time.monotonic() - start >= 1.2  # one at a time
+    assert [r.status for r in results] == ["ok"] * 3  # each well inside its own 0.9 s
+
+
+@pytest.mark.slow
+def test_one_shot_cpu_limit_is_cpu_not_wall(bwrap_present: None) -> None:
+    r = Sandbox(FAST.replace(cpu_time_s=1.0)).run("while True: pass", timeout_s=30)
+    assert (r.status, r.returncode) == ("timeout", -signal.SIGXCPU)
 
 
 def test_concurrent_one_shot_runs(sb: Sandbox) -> None:

@@ -48,8 +48,8 @@ def test_non_stream_shape_and_usage(proxy):
     assert cc.id.startswith("chatcmpl-") and cc.object == "chat.completion"
     assert cc.choices[0].message.content == "Hello! The answer is 42."
     assert cc.choices[0].finish_reason == "stop"
-    assert cc.usage.completion_tokens == len(proxy.engine.requests[0][0]) * 0 + \
-        cc.usage.total_tokens - cc.usage.prompt_tokens
+    assert cc.usage.prompt_tokens == len(proxy.engine.requests[0][0])
+    assert cc.usage.completion_tokens == cc.usage.total_tokens - cc.usage.prompt_tokens > 0
     assert raw.headers["x-request-id"]
 
 

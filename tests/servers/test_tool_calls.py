@@ -8,7 +8,6 @@ import json
 import openai
 import pytest
 
-from agentrl.models.embedded import EMBEDDED_NAME  # noqa: F401 - documents which template
 from servers.testing import FakeEngine, StreamingFakeEngine
 from tests.servers.conftest import validate_chunk, validate_completion
 
@@ -60,7 +59,7 @@ def test_tool_call_non_stream(make_proxy, tok):
 
 def test_tool_round_trip_merges_without_drift(make_proxy, tok):
     p = make_proxy(FakeEngine(tok, reply=_tool_reply(CALL_TEXT)))
-    r1, r2 = _episode(p.client("t"))
+    _r1, r2 = _episode(p.client("t"))
     assert r2.choices[0].message.content == "It is sunny."
     s = p.store.get("t")
     (traj,) = s.trajectories()
@@ -92,7 +91,7 @@ def test_template_without_tools_gets_folded_schemas_and_no_drift(make_proxy, tok
     store = InMemorySessionStore()
     with serve_in_thread(create_app(engine, smol, store)) as url:
         client = openai.OpenAI(base_url=f"{url}/sessions/x/v1", api_key="k", max_retries=0)
-        r1, r2 = _episode(client)
+        r1, _r2 = _episode(client)
     assert r1.choices[0].message.tool_calls[0].function.name == "get_weather"
     prompt = smol.decode(engine.requests[0][0])
     assert "<tools>" in prompt and '"get_weather"' in prompt

@@ -1,0 +1,323 @@
+"""`agentrl eval`: pass@1 and pass@k of a model on an environment's eval split.
+
+    agentrl eval --env math-tir --model smollm2-135m-instruct --num-problems 32 -k 4 \\
+        --temperature 1.0 --out eval.jsonl
+
+Problem i of the split is episode i's reset option `{"index": i}` (envs without problem
+indices ignore it and differ by seed). Each problem gets n samples (default n = k), and
+pass@k is the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models
+Trained on Code", eq. 1): 1 - C(n-c, k) / C(n, k), averaged over problems.
+
+A trajectory is solved if `info["correct"]` is True, or, for envs that do not set that key,
+if its total reward is >= 1 (so shaping bonuses cannot pass for solves in the math envs).
+Trajectories with `info["sandbox_error"]` are infrastructure failures: they are excluded
+from the estimates and counted separately; a problem left with no samples is dropped.
+
+`evaluate(...)` is the reusable part (the trainer calls it for its before/after evals).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import tyro
+
+from agentrl.models import DEFAULT_MODEL
+from agentrl.types import SamplingParams, Trajectory
+
+if TYPE_CHECKING:
+    from agentrl.engine import Engine
+    from agentrl.envs import TokenEnv
+
+logger = logging.getLogger(__name__)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021), for k <= n.
+
+    Computed as 1 - prod_{i=n-c+1}^{n} (1 - k/i), which avoids huge binomials.
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    prob_all_fail = 1.0
+    for i in range(n - c + 1, n + 1):
+        prob_all_fail *= 1.0 - k / i
+    return 1.0 - prob_all_fail
+
+
+def is_solved(traj: Trajectory) -> bool:
+    """`info["correct"]` when the env reports it, else total reward >= 1."""
+    if "correct" in traj.info:
+        return bool(traj.info["correct"])
+    return traj.total_reward >= 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalResult:
+    """Metrics of one evaluation, and the trajectories they came from."""
+
+    pass_at_1: float
+    pass_at_k: float
+    k: int
+    num_problems: int
+    """Problems in the estimates (those with at least one scorable sample)."""
+    num_samples: int
+    """Scorable trajectories (sandbox errors excluded)."""
+    num_sandbox_errors: int
+    num_env_errors: int
+    """Episodes whose env raised (scored as unsolved; see `info["error"]`)."""
+    trajectories: list[Trajectory] = field(repr=False)
+    per_problem: list[tuple[int, int]] = field(repr=False)
+    """(samples, solved) per problem in the estimates."""
+
+    def summary(self) -> str:
+        extra = ""
+        if self.num_sandbox_errors:
+            extra += f", {self.num_sandbox_errors} sandbox errors excluded"
+        if self.num_env_errors:
+            extra += f", {self.num_env_errors} env errors"
+        return (
+            f"pass@1 {self.pass_at_1:.4f}  pass@{self.k} {self.pass_at_k:.4f}  on "
+            f"{self.num_problems} problems ({self.num_samples} samples{extra})"
+        )
+
+
+def score(trajectories: Sequence[Trajectory], k: int) -> EvalResult:
+    """Group trajectories by `info["prompt_index"]` and compute pass@1 and pass@k."""
+    groups: dict[int, list[bool]] = {}
+    sandbox_errors = env_errors = 0
+    for traj in trajectories:
+        index = int(traj.info.get("prompt_index", len(groups)))
+        if traj.info.get("sandbox_error"):
+            sandbox_errors += 1
+            groups.setdefault(index, [])
+            continue
+        env_errors += "error" in traj.info
+        groups.setdefault(index, []).append(is_solved(traj))
+    per_problem = [(len(v), sum(v)) for _, v in sorted(groups.items()) if v]
+    p1 = [c / n for n, c in per_problem]
+    # A problem that lost samples to sandbox errors and has fewer than k left: pass@n.
+    pk = [pass_at_k(n, c, min(k, n)) for n, c in per_problem]
+    return EvalResult(
+        pass_at_1=sum(p1) / len(p1) if p1 else 0.0,
+        pass_at_k=sum(pk) / len(pk) if pk else 0.0,
+        k=k,
+        num_problems=len(per_problem),
+        num_samples=sum(n for n, _ in per_problem),
+        num_sandbox_errors=sandbox_errors,
+        num_env_errors=env_errors,
+        trajectories=list(trajectories),
+        per_problem=per_problem,
+    )
+
+
+def evaluate(
+    engine: Engine,
+    env_fn: Callable[[], TokenEnv],
+    *,
+    num_problems: int,
+    k: int = 1,
+    sampling: SamplingParams,
+    n_samples: int | None = None,
+    max_episode_tokens: int | None = None,
+    max_concurrency: int = 64,
+    progress: bool = False,
+    group_prefix: str = "eval-",
+) -> EvalResult:
+    """Run problems 0..num_problems-1 of the env's split, n_samples each (default k).
+
+    `env_fn` should build the eval split, e.g.
+    `lambda: gym.make("agentrl/MathTIR-v0", tokenizer=tok, split="eval")`. With greedy
+    sampling every sample is the same, so one is drawn and pass@k = pass@1.
+    """
+    from agentrl.rollout import collect_sync
+
+    n = k if n_samples is None else n_samples
+    if num_problems < 1 or k < 1 or n < k:
+        raise ValueError(
+            f"evaluate needs num_problems >= 1 and 1 <= k <= n_samples; got num_problems="
+            f"{num_problems}, k={k}, n_samples={n}"
+        )
+    if sampling.greedy and n > 1:
+        logger.warning("greedy sampling: drawing 1 sample per problem (pass@%d = pass@1)", k)
+        n = 1
+    trajs = collect_sync(
+        engine,
+        env_fn,
+        num_prompts=num_problems,
+        n_samples_per_prompt=n,
+        sampling=sampling,
+        seeds=list(range(num_problems)),
+        reset_options=[{"index": i} for i in range(num_problems)],
+        max_episode_tokens=max_episode_tokens,
+        max_concurrency=max_concurrency,
+        progress=progress,
+        group_prefix=group_prefix,
+    )
+    return score(trajs, k)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataArgs:
+    """Problem source (math envs): reasoning-gym tasks, or a local file."""
+
+    path: Path | None = None
+    """A .jsonl/.json/.parquet file or a local `datasets` directory with question/answer."""
+    question_key: str = "question"
+    """Column holding the question."""
+    answer_key: str = "answer"
+    """Column holding the reference answer."""
+    tasks: str | None = None
+    """reasoning-gym tasks, comma separated (e.g. basic_arithmetic,gsm_symbolic)."""
+    difficulty: str | None = None
+    """easy | medium | hard presets of the reasoning-gym tasks."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalArgs:
+    """Evaluate a model on an environment: pass@1 and pass@k over its eval split."""
+
+    env: str = "math-tir"
+    """Environment id or alias (`agentrl envs` lists them)."""
+    model: str = DEFAULT_MODEL
+    """Model name (smollm2-135m-instruct, tiny) or a local Hugging Face model directory."""
+    split: str = "eval"
+    """Split of the env's problems (math envs: train | eval)."""
+    num_problems: int = 32
+    """Problems 0..N-1 of the split."""
+    k: Annotated[int, tyro.conf.arg(aliases=("-k",))] = 1
+    """The k of pass@k."""
+    samples: Annotated[int | None, tyro.conf.arg(aliases=("-n",))] = None
+    """Samples per problem (default k; k <= n)."""
+    temperature: float = 0.0
+    """Sampling temperature (0 = greedy: one sample per problem)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    max_tokens: int = 256
+    """Most tokens sampled per turn."""
+    max_episode_tokens: int | None = 2048
+    """Most tokens per episode (prompt, actions, observations)."""
+    seed: int = 0
+    """Sampling seed (a rerun gives the same samples)."""
+    data: DataArgs = DataArgs()
+    env_kwargs: str = "{}"
+    """Other env constructor arguments as JSON, e.g. '{"max_turns": 3}'."""
+    out: Path | None = None
+    """Write the trajectories here as JSON lines."""
+    device: str | None = None
+    """Device for the transformers backend (default: cuda if available, else cpu)."""
+    max_batch_size: int = 64
+    """Most sequences the engine decodes together."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_problems", "k", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
+                                 f"{getattr(self, name)}")
+        if self.samples is not None and self.samples < self.k:
+            raise ValueError(f"-n/--samples ({self.samples}) must be >= -k ({self.k})")
+
+
+def env_kwargs_for(args: EvalArgs, env_id: str) -> dict[str, Any]:
+    """Constructor arguments for `env_id`: split and data options only if it takes them."""
+    try:
+        extra = json.loads(args.env_kwargs)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--env-kwargs must be a JSON object: {e}") from e
+    if not isinstance(extra, dict):
+        raise ValueError(  # noqa: TRY004 - a bad flag value
+            f"--env-kwargs must be a JSON object, got {args.env_kwargs!r}"
+        )
+    wanted: dict[str, Any] = {"split": args.split}
+    d = args.data
+    for key, value in (("data_path", d.path), ("tasks", d.tasks), ("difficulty", d.difficulty)):
+        if value is not None:
+            wanted[key] = str(value) if isinstance(value, Path) else value
+    if d.path is not None:
+        wanted.update(question_key=d.question_key, answer_key=d.answer_key)
+    accepted = _constructor_params(env_id)
+    out = {k: v for k, v in wanted.items() if accepted is None or k in accepted}
+    dropped = sorted(set(wanted) - set(out) - {"split"})
+    if dropped:
+        raise ValueError(f"environment {env_id} does not take {dropped}")
+    return {**out, **extra}
+
+
+def _constructor_params(env_id: str) -> set[str] | None:
+    import importlib
+    import inspect
+
+    import gymnasium as gym
+
+    target = gym.spec(env_id).kwargs.get("target")
+    if isinstance(target, str):
+        module, _, attr = target.partition(":")
+        target = getattr(importlib.import_module(module), attr)
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    return set(params)
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = tyro.cli(EvalArgs, args=argv, prog="agentrl eval", description=__doc__)
+    except ValueError as e:
+        print(f"agentrl eval: {e}", file=sys.stderr)
+        return 2
+    return run(args)
+
+
+def run(args: EvalArgs) -> int:
+    import gymnasium as gym
+    import torch
+
+    import agentrl  # noqa: F401 - registers the built-in env ids
+    from agentrl.engine import create_engine
+    from agentrl.envs import resolve_env_id
+    from agentrl.models import load_model, load_tokenizer
+    from agentrl.types import save_jsonl
+
+    try:
+        env_id = resolve_env_id(args.env)
+        kwargs = env_kwargs_for(args, env_id)
+        tokenizer = load_tokenizer(args.model)
+        gym.make(env_id, tokenizer=tokenizer, **kwargs).close()  # fail fast on bad options
+    except ValueError as e:
+        print(f"agentrl eval: {e}", file=sys.stderr)
+        return 2
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    engine = create_engine(load_model(args.model), tokenizer=tokenizer, device=device,
+                           max_batch_size=args.max_batch_size)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                              max_tokens=args.max_tokens, seed=args.seed)
+    try:
+        result = evaluate(
+            engine, lambda: gym.make(env_id, tokenizer=tokenizer, **kwargs),
+            num_problems=args.num_problems, k=args.k, sampling=sampling,
+            n_samples=args.samples, max_episode_tokens=args.max_episode_tokens,
+            max_concurrency=args.max_batch_size, progress=args.progress,
+        )
+    finally:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
+    print(f"{env_id} ({args.split}) with {args.model}, temperature {args.temperature}: "
+          f"{result.summary()}")
+    if args.out is not None:
+        save_jsonl(result.trajectories, args.out)
+        print(f"wrote {len(result.trajectories)} trajectories to {args.out}")
+    return 0

@@ -1,0 +1,165 @@
+"""Generation throughput: agentrl's TransformersEngine vs a plain padded `model.generate` batch.
+
+The baseline is what TRL does without vLLM: left-pad every prompt x sample into one batch and
+call `generate` until the longest row ends. Both sides use the same prompts and sampling
+settings (temperature, top_p=1, top_k=0, max new tokens) and count *useful* tokens: sampled
+tokens up to and including the end-of-sequence token. Each side runs in its own subprocess, so
+peak RSS (ru_maxrss) is comparable.
+
+    python benchmarks/generation.py                         # CPU: 32 prompts x 4, 128 tokens
+    python benchmarks/generation.py --device cuda --prompts 256 --samples 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+QUESTIONS = [
+    "What is 2+3?", "What is 7*6?", "Name a primary color.", "What is the capital of France?",
+    "What is 10-4?", "Spell the word cat backwards.", "What is 9+10?",
+    "How many legs does a dog have?", "Write a haiku about the sea.",
+    "Explain what a prime number is.", "Give me three tips for sleeping well.",
+    "What is the boiling point of water?", "Tell me a short story about a robot.",
+    "Why is the sky blue?", "List four fruits.", "What does a CPU do?",
+]
+
+
+def build_prompts(tokenizer, n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        q = QUESTIONS[i % len(QUESTIONS)]
+        if i >= len(QUESTIONS):
+            q = f"{q} (question {i})"
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+        )
+        out.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    return out
+
+
+def useful(tokens: list[int], eos: set[int]) -> int:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return i + 1
+    return len(tokens)
+
+
+def run_engine(model, tok, prompts, args) -> dict:
+    from agentrl.engine.hf import TransformersEngine
+    from agentrl.types import SamplingParams
+
+    engine = TransformersEngine(
+        model, tok, max_batch_size=args.max_batch_size, device=args.device, seed=0
+    )
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, n=args.samples)
+
+    async def go(ps):
+        return await asyncio.gather(*(engine.generate(p, params) for p in ps))
+
+    asyncio.run(go(prompts[:2]))  # warm-up
+    engine.counters.clear()
+    t0 = time.perf_counter()
+    results = asyncio.run(go(prompts))
+    dt = time.perf_counter() - t0
+    engine.close()
+    tokens = sum(len(c.token_ids) for r in results for c in r)
+    return {"tokens": tokens, "seconds": dt, "counters": dict(engine.counters)}
+
+
+def run_baseline(model, tok, prompts, args) -> dict:
+    import torch
+
+    eos = {tok.eos_token_id}
+    rows = [p for p in prompts for _ in range(args.samples)]
+    batch = args.baseline_batch or len(rows)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def generate(chunk):
+        width = max(map(len, chunk))
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(chunk):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids.to(args.device), attention_mask=mask.to(args.device),
+                do_sample=args.temperature > 0, temperature=args.temperature or None,
+                top_p=1.0, top_k=0, max_new_tokens=args.max_tokens, pad_token_id=pad,
+            )
+        return out[:, width:].tolist()
+
+    generate(rows[:2])  # warm-up
+    t0 = time.perf_counter()
+    tokens = 0
+    for s in range(0, len(rows), batch):
+        tokens += sum(useful(r, eos) for r in generate(rows[s : s + batch]))
+    return {"tokens": tokens, "seconds": time.perf_counter() - t0}
+
+
+def child(args) -> None:
+    import torch
+
+    from agentrl.models import load_model, load_tokenizer
+
+    torch.manual_seed(0)
+    model = load_model(args.model).to(args.device)
+    tok = load_tokenizer(args.model)
+    prompts = build_prompts(tok, args.prompts)
+    rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    fn = run_engine if args.child == "engine" else run_baseline
+    out = fn(model, tok, prompts, args)
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["rss_after_load_mb"] = rss_loaded / 1024
+    if args.device.startswith("cuda"):
+        out["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    print("RESULT " + json.dumps(out))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-batch-size", type=int, default=64, help="engine slots")
+    ap.add_argument("--baseline-batch", type=int, default=0, help="rows per generate call (0 = all)")
+    ap.add_argument("--child", choices=["engine", "baseline"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+    print(f"load average before: {os.getloadavg()[0]:.1f} (2-core machine)", flush=True)
+    results = {}
+    for side in ("baseline", "engine"):
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--child", side]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            sys.exit(f"{side} failed:\n{proc.stderr[-3000:]}")
+        results[side] = json.loads(line[7:])
+        r = results[side]
+        print(
+            f"{side:>8}: {r['tokens']} useful tokens in {r['seconds']:.1f}s = "
+            f"{r['tokens'] / r['seconds']:.1f} tok/s, peak RSS {r['peak_rss_mb']:.0f} MB "
+            f"(after model load {r['rss_after_load_mb']:.0f} MB)"
+            + (f", peak CUDA {r['peak_cuda_mb']:.0f} MB" if "peak_cuda_mb" in r else ""),
+            flush=True,
+        )
+    e, b = results["engine"], results["baseline"]
+    ratio = (e["tokens"] / e["seconds"]) / (b["tokens"] / b["seconds"])
+    print(f"ratio engine/baseline useful tok/s: {ratio:.2f}x  (engine counters {e['counters']})")
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
