@@ -2,7 +2,7 @@
 
 The work (from the issue): SmolLM2-135M-Instruct (the embedded model, fp32, CPU), 8 chat
 prompts, 2 prompts per step x 4 generations, at most 32 new tokens, lr 1e-6, beta 0,
-temperature 1, reward -|20 - len(completion)| / 20. Each side runs in its own subprocess so
+temperature 1, reward -|20 - len(completion)| / 20, gradient checkpointing on both sides. Each side runs in its own subprocess so
 peak RSS is its own. Per-step time is the median over steps after the first (warm-up).
 
     .venv/bin/python benchmarks/grpo_vs_trl.py --steps 6
@@ -43,7 +43,8 @@ def run_agentrl(steps: int, use_ray: bool) -> dict:
     run_dir = f"/tmp/agentrl-bench-{os.getpid()}"
     cfg = TrainConfig(
         env="bench/LengthReward-v0",
-        actor=ActorConfig(model="smollm2-135m-instruct", lr=1e-6),
+        # Same memory/compute trade as the TRL config below (gradient_checkpointing=True).
+        actor=ActorConfig(model="smollm2-135m-instruct", lr=1e-6, gradient_checkpointing=True),
         algo=AlgoConfig(estimator="group_norm", kl_coef=0.0),
         rollout=RolloutConfig(n_samples_per_prompt=4, prompts_per_step=2, max_new_tokens=32,
                               temperature=1.0),

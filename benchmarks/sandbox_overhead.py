@@ -63,6 +63,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=200, help="timed calls per variant")
     parser.add_argument("--warmup", type=int, default=10, help="untimed calls per variant")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     sb = Sandbox(SandboxConfig())
     times: dict[str, list[float]] = {"bare": [], "one-shot": [], "session": []}
     with sb.session() as session:
@@ -73,6 +74,8 @@ def main() -> None:
                 for name, value in sample.items():
                     times[name].append(value)
     print("\n".join(describe_machine(sb)))
+    # Other jobs on a shared 2-core machine inflate every variant; read the numbers with this.
+    print(f"load average before/after: {load_before:.2f} / {os.getloadavg()[0]:.2f}")
     print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
     print(f"{'variant':<10} {'median ms':>10} {'p90 ms':>8}  ({args.runs} runs each)")
     medians = {}

@@ -101,6 +101,9 @@ class PolicyWorker:
         """One RL step on a rollout batch: logprobs, advantages, PPO epochs. Returns metrics."""
         cfg, algo = self.cfg, self.cfg.algo
         t0 = time.perf_counter()
+        if self.engine is not None:
+            self.engine.sleep()  # colocated: free the KV caches while training
+            _trim_host_memory()
         batch = collate(trajectories, self.pad_id)
         needs_old = cfg.epochs_per_step * cfg.minibatches_per_step > 1 or (
             algo.mismatch_correction != "none"
@@ -222,6 +225,8 @@ class PolicyWorker:
             )
         self.optimizer.step()
         self.scheduler.step()
+        # Gradients are not needed until the next backward; free them for the rollout.
+        self.optimizer.zero_grad(set_to_none=True)
         if self.critic is not None:
             totals["value_loss"] = self._critic_step(batch, rows, num_tokens)
         return totals
@@ -248,6 +253,7 @@ class PolicyWorker:
         from trainers.sampling import collect_agent_episodes, collect_for_step
 
         fn = collect_agent_episodes if self.cfg.agent else collect_for_step
+        self.engine.wake()
         self.model.eval()  # no dropout while sampling; the engine shares this module
         try:
             return fn(self.engine, self.cfg, self.tokenizer, seeds, step)
@@ -257,6 +263,7 @@ class PolicyWorker:
     def evaluate(self) -> dict[str, Any]:
         from trainers.sampling import evaluate_engine
 
+        self.engine.wake()
         self.model.eval()
         try:
             return evaluate_engine(self.engine, self.cfg, self.tokenizer)
@@ -312,6 +319,20 @@ class ValueModel(torch.nn.Module):
         attn = (torch.arange(n)[None, :] < lengths[:, None]).long()
         hidden = self.backbone(input_ids=input_ids, attention_mask=attn).last_hidden_state
         return self.head(hidden).squeeze(-1)[:, :-1]
+
+
+def _trim_host_memory() -> None:
+    """Give freed heap pages back to the OS (glibc keeps them otherwise): on CPU the KV cache
+    freed by `engine.sleep()` would still count against the training step's peak memory."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name:
+        try:
+            ctypes.CDLL(name).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
 
 
 def _rng_state() -> dict[str, Any]:

@@ -1,11 +1,12 @@
 """Run untrusted, model-written Python (math-tir's tool calls) without trusting it.
 
-Stdlib only. Design and the hostile programs it is tested against:
-`/work/shared/reference/sandbox.md`-style layering, outer to inner, each layer useful alone:
+Stdlib only. Layers, outer to inner, each useful alone (tests/sandbox runs a suite of hostile
+programs against them: bombs, floods, escapes, secrets, loopback services):
 
-1. Supervision in the caller (`process.py`): code goes in through a memfd or a pipe (never
-   argv), stdin is /dev/null, a wall deadline separate from CPU time, non-blocking reads with a
-   per-stream output cap that kills on overflow, then always kill, verify, clean up.
+1. Supervision in the caller (`process.py`): bounded concurrency (`max_concurrent`), code
+   goes in through a memfd or a pipe (never argv), stdin is /dev/null, a wall deadline
+   separate from CPU time, non-blocking reads with a per-stream output cap that kills on
+   overflow, then always kill, verify, clean up.
    Processes are started from one long-lived thread because bwrap's die-with-parent signal
    fires when the *thread* that forked it exits.
 2. A cgroup per execution where /sys/fs/cgroup is writable (v2, or v1 memory/pids/cpu):
@@ -29,7 +30,8 @@ raises `SandboxUnavailableError` with the fix, unless the caller opts into the u
 `setsid` daemon escapes when no cgroup is writable. It is never chosen silently.
 
 Statuses: ok, error (non-zero exit/exception), timeout (wall or CPU), oom, output_limit,
-killed (died from a signal), sandbox_error (infrastructure: never score it as the model's).
+killed (died from a signal), sandbox_error (infrastructure: never score it as the model's; the
+code cannot fake it, since it is decided by a notice sent before the code runs).
 
     sb = Sandbox(SandboxConfig(timeout_s=5.0))
     sb.run("print(6 * 7)").stdout                      # '42\\n'

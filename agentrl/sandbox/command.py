@@ -4,7 +4,10 @@ Isolated tier, outer to inner, each stage an exec wrapper:
 
     sh (join the cgroup, only where one exists) -> setpriv (drop root to an unprivileged uid,
     no-new-privs) -> bwrap (namespaces, read-only /usr, tmpfs /tmp /work /dev/shm, clearenv,
-    seccomp) -> prlimit (rlimits) -> python3 -I -u
+    seccomp) -> prlimit (rlimits) -> sh (NOTICE: "started", stdin /dev/null) -> python3 -I -u
+
+Measured on the 2-core CI machine, the wrappers cost nothing visible next to bwrap's own
+namespace set-up and the interpreter's start (see benchmarks/results/sandbox_overhead.md).
 
 prlimit runs *inside* the user namespace on purpose: since Linux 5.14 RLIMIT_NPROC is counted
 per (user namespace, uid), so a limit set there bounds this sandbox alone, and a fork bomb in
@@ -46,7 +49,7 @@ _AS_BACKSTOP_FACTOR = 4
 
 @dataclass(frozen=True)
 class Plan:
-    """What is available here, decided once per Sandbox by `probe`."""
+    """What works on this machine, decided once per config by `sandbox._plan_for`."""
 
     bwrap: str | None
     """Resolved bubblewrap path; None only in the opted-in unisolated tier."""

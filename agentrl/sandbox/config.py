@@ -113,7 +113,8 @@ class ExecResult:
     """ok | error (non-zero exit or exception) | timeout (wall or CPU) | oom | output_limit |
     killed (died from a signal, e.g. SIGSEGV) | sandbox_error."""
     returncode: int | None
-    """Exit code; -N for death by signal N; None when the sandbox killed it or it never ran."""
+    """Exit code; -N for death by signal N; None when the sandbox killed it or it never ran.
+    (One-shot runs learn signals from bwrap as 128+N, so `sys.exit(137)` also reads as -9.)"""
     stdout: str
     stderr: str
     wall_s: float

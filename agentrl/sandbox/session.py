@@ -76,6 +76,8 @@ class Session:
         timeout = self._cfg.timeout_s if timeout_s is None else timeout_s
         if not timeout > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        if not isinstance(code, str):
+            raise TypeError(f"code must be str, got {type(code).__name__}")
         with self._lock, self._slots:
             if self._closed:
                 raise RuntimeError("Session.run after close(); open a new one with "
@@ -94,7 +96,12 @@ class Session:
                 if self._lost is not None:
                     note, restarted = _NOTE.format(why=self._lost), True
                     self._lost = None
-            result = self._call(self._holder.child, code, clock + timeout, clock)
+            try:
+                result = self._call(self._holder.child, code, clock + timeout, clock)
+            except BaseException:  # Never leave a half-used interpreter behind.
+                self._holder.close()
+                self._lost = "the host side failed"
+                raise
             if restarted:
                 result = ExecResult(result.status, result.returncode, result.stdout,
                                     note + result.stderr, result.wall_s, result.truncated,

@@ -23,6 +23,7 @@ info (every step; the last one ends up in `Trajectory.info`):
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -48,7 +49,7 @@ from environments.math_tir.prompts import (
 )
 
 if TYPE_CHECKING:
-    from agentrl.sandbox import ExecResult
+    from agentrl.sandbox import ExecResult, SandboxConfig
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,15 @@ class SandboxLike(Protocol):
     """What the env needs of `agentrl.sandbox.Sandbox` (tests pass fakes)."""
 
     def session(self) -> SessionLike: ...
+
+
+@functools.lru_cache(maxsize=8)
+def shared_sandbox(config: SandboxConfig, allow_unisolated: bool) -> SandboxLike:
+    """One `Sandbox` per config in a process, shared by all envs: its concurrency bound then
+    holds across the dozens of envs a rollout builds."""
+    from agentrl.sandbox import Sandbox
+
+    return Sandbox(config, allow_unisolated=allow_unisolated)
 
 
 class _MathEnvBase(ChatEnv):
@@ -167,10 +177,11 @@ class MathTIREnv(_MathEnvBase):
         max_calls_per_turn: code calls run per turn; extra ones are reported, not run.
         format_reward: added for a parseable boxed answer, right or wrong.
         call_reward: added per code call that ran with status "ok".
-        timeout_s, memory_mb: sandbox limits per call.
+        sandbox_config: `agentrl.sandbox.SandboxConfig` (or a dict of its fields) for the
+            per-call limits; default 5 s wall time and 512 MB per call.
         allow_unisolated: run code without bubblewrap isolation if it is unavailable (unsafe;
             otherwise construction fails with the sandbox's instructions).
-        sandbox: a prebuilt sandbox to share across envs (built from the limits if None).
+        sandbox: a prebuilt sandbox (default: one shared per `sandbox_config` in the process).
     """
 
     def __init__(
@@ -193,8 +204,7 @@ class MathTIREnv(_MathEnvBase):
         max_calls_per_turn: int = 4,
         format_reward: float = 0.0,
         call_reward: float = 0.0,
-        timeout_s: float = 5.0,
-        memory_mb: int = 512,
+        sandbox_config: SandboxConfig | Mapping[str, Any] | None = None,
         allow_unisolated: bool = False,
         sandbox: SandboxLike | None = None,
     ) -> None:
@@ -205,14 +215,17 @@ class MathTIREnv(_MathEnvBase):
                 f"need max_output_chars >= 64 and max_calls_per_turn >= 1, got "
                 f"{max_output_chars}, {max_calls_per_turn}"
             )
-        if sandbox is None:
-            from agentrl.sandbox import Sandbox, SandboxConfig
+        from agentrl.sandbox import SandboxConfig
 
+        if sandbox_config is None:
+            sandbox_config = SandboxConfig(timeout_s=5.0, memory_mb=512)
+        elif isinstance(sandbox_config, Mapping):
+            sandbox_config = SandboxConfig(**sandbox_config)
+        self._own_sandbox = sandbox is None
+        if sandbox is None:
             # Fails here, with the sandbox's fix-it message, if isolation is unavailable.
-            sandbox = Sandbox(
-                SandboxConfig(timeout_s=timeout_s, memory_mb=memory_mb),
-                allow_unisolated=allow_unisolated,
-            )
+            sandbox = shared_sandbox(sandbox_config, allow_unisolated)
+        self._sandbox_args = (sandbox_config, allow_unisolated)
         super().__init__(
             split=split, tasks=tasks, difficulty=difficulty, num_problems=num_problems,
             seed=seed, data_path=data_path, question_key=question_key, answer_key=answer_key,
@@ -225,7 +238,7 @@ class MathTIREnv(_MathEnvBase):
         self.max_output_chars = max_output_chars
         self.max_calls_per_turn = max_calls_per_turn
         self.call_reward = float(call_reward)
-        self.timeout_s = timeout_s
+        self.timeout_s = float(getattr(sandbox, "config", sandbox_config).timeout_s)
         self._session: SessionLike | None = None
         self._turn = 0
         self._statuses: list[str] = []
@@ -294,9 +307,17 @@ class MathTIREnv(_MathEnvBase):
 
     def __getstate__(self) -> dict[str, Any]:
         # A live session (a process) cannot be pickled; the copy opens its own when needed.
+        # The shared sandbox holds locks: the copy reattaches to its process's own.
         state = self.__dict__.copy()
         state["_session"] = None
+        if self._own_sandbox:
+            state["sandbox"] = None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.sandbox is None:
+            self.sandbox = shared_sandbox(*self._sandbox_args)
 
 
 class MathEnv(_MathEnvBase):

@@ -85,8 +85,8 @@ def render_result(result: ExecResult, *, timeout_s: float, max_chars: int) -> st
         text = f"{out}{result.stderr}The process was killed (signal {sig})."
     else:  # "error": an exception or a non-zero exit
         text = out + result.stderr
-        if not text.strip():
-            text = f"The code exited with status {result.returncode}."
+        if "Traceback" not in result.stderr:  # sys.exit / os._exit: say so, or it looks fine
+            text += f"The code exited with status {result.returncode}."
     return truncate_middle(text.rstrip("\n"), max_chars)
 
 

@@ -10,6 +10,7 @@ import os
 import re
 import socket
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -22,6 +23,13 @@ from ._helpers import (
     assert_bounded,
     assert_contained,
 )
+
+
+@pytest.fixture(autouse=True)
+def contained(sb: Sandbox) -> Iterator[None]:
+    """After every test: nothing of any sandbox left running, no cgroup, executor alive."""
+    yield
+    assert_contained(sb)
 
 T = FAST.timeout_s
 
@@ -58,7 +66,6 @@ def test_runaway_programs_end_at_the_deadline(sb: Sandbox, name: str, code: str,
     assert result.status in statuses, result
     assert result.wall_s >= (T - 0.1 if statuses == {"timeout"} else 0)
     assert_bounded(result, T)
-    assert_contained(sb)
 
 
 FORK_BOMB = {name: code for name, code, _ in RUNAWAY}["fork_bomb"]
@@ -97,7 +104,6 @@ def test_resource_abuse_is_contained(sb: Sandbox, name: str, code: str, status: 
     assert result.status in status.split("|"), result
     assert re.search(stderr_has, result.stderr), result.stderr
     assert_bounded(result, T)
-    assert_contained(sb)
 
 
 def test_stdlib_write_does_not_affect_later_runs(sb: Sandbox) -> None:
@@ -116,7 +122,6 @@ def test_output_flood_is_capped_and_killed(sb: Sandbox, stream: str, newline: bo
     captured = getattr(result, stream)
     assert len(captured) == FAST.max_output_bytes and set(captured) <= {"x", "\n"}
     assert result.wall_s < 1.5
-    assert_contained(sb)
 
 
 def test_invalid_utf8_and_nul_bytes(sb: Sandbox) -> None:
@@ -131,7 +136,6 @@ def test_child_holding_the_pipe_is_not_a_timeout(sb: Sandbox) -> None:
     result = sb.run(code)
     assert (result.status, result.stdout) == ("ok", "done\n")
     assert result.wall_s < 1.0, "a descendant holding stdout turned into a wait"
-    assert_contained(sb)
 
 
 def test_double_fork_setsid_daemon_dies(sb: Sandbox) -> None:
@@ -141,7 +145,6 @@ def test_double_fork_setsid_daemon_dies(sb: Sandbox) -> None:
     result = sb.run(code)
     assert (result.status, result.stdout) == ("ok", "parent done\n")
     assert result.wall_s < 1.0
-    assert_contained(sb)
 
 
 def test_boxed_answer_then_os_exit_keeps_stdout(sb: Sandbox) -> None:
@@ -231,7 +234,6 @@ def test_killing_outward_hurts_nobody(sb: Sandbox) -> None:
             "print('survived')")
     result = sb.run(code)
     assert (result.status, result.stdout.splitlines()[-1]) == ("ok", "survived"), result
-    assert_contained(sb)
 
 
 def test_kernel_escapes_via_ctypes_fail(sb: Sandbox) -> None:
@@ -265,4 +267,3 @@ def test_innocent_program_beside_fork_bomb(sb: Sandbox) -> None:
         bomb.join()
     assert innocent.status == "ok", innocent
     assert innocent.stdout == f"{sum(range(10**6))}\nchild ok\n"
-    assert_contained(sb)

@@ -7,12 +7,20 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from agentrl.sandbox import Sandbox, SandboxConfig, Session
 
 from ._helpers import FAST, assert_contained, descendants
+
+
+@pytest.fixture(autouse=True)
+def contained(sb: Sandbox) -> Iterator[None]:
+    """After every test: nothing of any sandbox left running, no cgroup, executor alive."""
+    yield
+    assert_contained(sb)
 
 
 def test_state_carries_and_trailing_expression_is_shown(sb: Sandbox) -> None:
@@ -24,7 +32,6 @@ def test_state_carries_and_trailing_expression_is_shown(sb: Sandbox) -> None:
         assert s.run("None").stdout == ""  # Like a notebook: None is not echoed.
         assert s.run("print('a')").stdout == "a\n"
         assert s.run("print('b')").stdout == "b\n"  # Output is per call.
-    assert_contained(sb)
 
 
 def test_errors_keep_the_session(sb: Sandbox) -> None:
@@ -40,7 +47,6 @@ def test_errors_keep_the_session(sb: Sandbox) -> None:
         assert oom.status == "oom" and "MemoryError" in oom.stderr
         after = s.run("x")
         assert (after.stdout, after.session_restarted) == ("1\n", False)
-    assert_contained(sb)
 
 
 CRASHES = [
@@ -67,7 +73,6 @@ def test_a_crash_ends_only_that_call(sb: Sandbox, name: str, code: str, status: 
         assert "fresh one" in fresh.stderr and "NameError" in fresh.stderr
         again = s.run("x = 2\nx")
         assert (again.stdout, again.session_restarted, again.stderr) == ("2\n", False, "")
-    assert_contained(sb)
 
 
 def test_background_thread_and_process_die_at_session_end(sb: Sandbox) -> None:
@@ -83,7 +88,6 @@ def test_background_thread_and_process_die_at_session_end(sb: Sandbox) -> None:
     assert descendants(os.getpid()) == set()
     with pytest.raises(RuntimeError, match="after close"):
         s.run("1")
-    assert_contained(sb)
 
 
 def test_nothing_carries_across_sessions(sb: Sandbox) -> None:
@@ -146,7 +150,6 @@ def test_sessions_from_many_threads(sb: Sandbox) -> None:
     for t in threads:
         t.join()
     assert results == {i: f"{i * 2}\n" for i in range(8)}
-    assert_contained(sb)
 
 
 def test_garbage_collected_session_is_killed(sb: Sandbox) -> None:
