@@ -82,3 +82,30 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int) -> RolloutBatch:
 def length_sorted(batch: RolloutBatch, indices: Sequence[int]) -> list[int]:
     """Indices sorted by length, so micro-batches hold similar lengths (less padding)."""
     return sorted(indices, key=lambda i: int(batch.lengths[i]))
+
+
+def packed_inputs(batch: RolloutBatch, idx: Tensor) -> tuple[Tensor, Tensor, list[int]]:
+    """Concatenate rows `idx` into one row with per-sequence position ids (no padding).
+
+    transformers builds a block-diagonal causal mask from position ids that restart at 0 when
+    no attention mask and no cache are passed, so each sequence attends only to itself.
+    Returns (input_ids [1, L], position_ids [1, L], lengths).
+    """
+    lengths = [int(batch.lengths[i]) for i in idx]
+    ids = torch.cat([batch.input_ids[i, :n] for i, n in zip(idx.tolist(), lengths, strict=True)])
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    return ids[None], pos[None], lengths
+
+
+def unpack_targets(packed_BT: Tensor, lengths: list[int], n: int) -> Tensor:
+    """[1, L-1] per-target values of a packed row -> [m, n-1], zero-padded per sequence.
+
+    Position o+t of the packed row predicts token o+t+1; the last position of each sequence
+    (which would predict the next sequence's first token) is dropped.
+    """
+    out = packed_BT.new_zeros(len(lengths), n - 1)
+    offset = 0
+    for row, length in enumerate(lengths):
+        out[row, : length - 1] = packed_BT[0, offset : offset + length - 1]
+        offset += length
+    return out

@@ -208,6 +208,8 @@ class TrainConfig:
     """Optimizer steps per epoch."""
     micro_batch_size: int = 8
     """Sequences per forward/backward (gradient accumulation; does not change the result)."""
+    packing: bool = True
+    """Pack each micro-batch's sequences into one row (no padding); False pads instead."""
     backend: Literal["local"] = "local"
     """Training backend inside the policy actor (FSDP2 / DeepSpeed ZeRO: not yet)."""
     use_ray: bool = True

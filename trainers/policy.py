@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from agentrl import algorithms as A
-from trainers.batch import RolloutBatch, collate, length_sorted
+from trainers.batch import RolloutBatch, collate, length_sorted, packed_inputs, unpack_targets
 from trainers.config import TrainConfig
 
 
@@ -74,16 +74,33 @@ class PolicyWorker:
         return int(pad if pad is not None else self.tokenizer.eos_token_id)
 
     # ------------------------------------------------------------------ forward passes
-    def _logits(self, model: torch.nn.Module, batch: RolloutBatch, idx: Tensor, n: int) -> Tensor:
-        ids = batch.input_ids[idx, :n]
-        attn = (torch.arange(n)[None, :] < batch.lengths[idx][:, None]).long()
-        return model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]
+    def _forward(
+        self, model: torch.nn.Module, batch: RolloutBatch, idx: Tensor, n: int, *,
+        entropy: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Logprobs (and entropies) of every target token of rows `idx`, as [m, n-1].
 
-    def _logp(self, model: torch.nn.Module, batch: RolloutBatch, idx: Tensor, n: int) -> Tensor:
-        logits = self._logits(model, batch, idx, n)
-        return A.logprobs_from_logits(
-            logits, batch.input_ids[idx, 1:n], temperature=self.cfg.rollout.temperature
-        )
+        With packing (default) the rows are concatenated into one padding-free sequence.
+        """
+        temp = self.cfg.rollout.temperature
+        if self.cfg.packing:
+            ids, pos, lengths = packed_inputs(batch, idx)
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[:, :-1]
+            targets = ids[:, 1:]
+        else:
+            ids = batch.input_ids[idx, :n]
+            attn = (torch.arange(n)[None, :] < batch.lengths[idx][:, None]).long()
+            logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]
+            targets = ids[:, 1:]
+        logp = A.logprobs_from_logits(logits, targets, temperature=temp)
+        ent = None
+        if entropy:
+            with torch.set_grad_enabled(self.cfg.algo.entropy_coef > 0 and torch.is_grad_enabled()):
+                ent = A.entropy_from_logits(logits, temperature=temp)
+        if self.cfg.packing:
+            logp = unpack_targets(logp, lengths, n)
+            ent = unpack_targets(ent, lengths, n) if ent is not None else None
+        return logp, ent
 
     @torch.no_grad()
     def _fill(self, batch: RolloutBatch, name: str, model: torch.nn.Module) -> None:
@@ -93,7 +110,7 @@ class PolicyWorker:
             if name == "values":
                 out[idx, : n - 1] = model(batch.input_ids[idx, :n], batch.lengths[idx])
             else:
-                out[idx, : n - 1] = self._logp(model, batch, idx, n)
+                out[idx, : n - 1] = self._forward(model, batch, idx, n)[0]
         batch.extras[name] = out * batch.mask
 
     # ------------------------------------------------------------------ the update
@@ -173,9 +190,8 @@ class PolicyWorker:
         self.optimizer.zero_grad(set_to_none=True)
         for idx, n in batch.micro_batches(length_sorted(batch, rows), cfg.micro_batch_size):
             mask = batch.rows("mask", idx, n)
-            logits = self._logits(self.model, batch, idx, n)
-            targets = batch.input_ids[idx, 1:n]
-            logp = A.logprobs_from_logits(logits, targets, temperature=cfg.rollout.temperature)
+            logp, ent = self._forward(self.model, batch, idx, n, entropy=True)
+            assert ent is not None
             old = batch.rows("old_logp", idx, n) if "old_logp" in batch.extras else logp.detach()
             loss_bt, m = A.policy_loss(
                 algo.policy_loss,
@@ -192,10 +208,7 @@ class PolicyWorker:
                 loss_bt = loss_bt * A.mismatch_weights(
                     algo.mismatch_correction, old_logp_BT=old, rollout_logp_BT=rollout, mask_BT=mask
                 )
-            need_entropy = algo.entropy_coef > 0
-            with torch.set_grad_enabled(need_entropy):
-                ent = A.entropy_from_logits(logits, temperature=cfg.rollout.temperature)
-            if need_entropy:
+            if algo.entropy_coef > 0:
                 loss_bt = loss_bt - algo.entropy_coef * ent
             if algo.kl_as_loss and self.ref_model is not None:
                 ref = batch.rows("ref_logp", idx, n)

@@ -10,7 +10,8 @@ programs against them: bombs, floods, escapes, secrets, loopback services):
    Processes are started from one long-lived thread because bwrap's die-with-parent signal
    fires when the *thread* that forked it exits.
 2. A cgroup per execution where /sys/fs/cgroup is writable (v2, or v1 memory/pids/cpu):
-   memory, pids and a CPU quota; OOM kills are reported as `oom`.
+   memory, pids and a CPU quota; OOM kills are reported as `oom`. bwrap waits on --block-fd
+   until its init has been moved in, so nothing of the code ever runs outside it.
 3. Root is dropped (`setpriv`, uid 65534, no-new-privs) when the caller is root.
 4. rlimits (`prlimit`, applied inside the sandbox's user namespace so RLIMIT_NPROC is counted
    per sandbox): CPU, address space (backstop), file size, processes, open files, core=0.

@@ -7,8 +7,9 @@ under the caller's own cgroup, so a container's limits still apply above them. W
 writable (unprivileged, no delegation) `CgroupFactory.detect()` returns None and the other
 layers (PID namespace, rlimits) carry the load; the sandbox reports the layer as inactive.
 
-Processes join a group by writing their own pid before exec'ing the rest of the chain (see
-`command.py`), because moving them from outside after spawn races with their first fork.
+Processes must be in the group before they fork, or children escape it: the isolated tier
+moves bwrap's init while bwrap blocks on --block-fd (`process.Child._admit`); the unisolated
+tier has a shell write its own pid before exec'ing the rest of the chain (`command.py`).
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 Isolated tier, outer to inner, each stage an exec wrapper:
 
-    sh (join the cgroup, only where one exists) -> setpriv (drop root to an unprivileged uid,
-    no-new-privs) -> bwrap (namespaces, read-only /usr, tmpfs /tmp /work /dev/shm, clearenv,
-    seccomp) -> prlimit (rlimits) -> sh (NOTICE: "started", stdin /dev/null) -> python3 -I -u
+    setpriv (drop root to an unprivileged uid, no-new-privs) -> bwrap (namespaces, read-only
+    /usr, tmpfs /tmp /work /dev/shm, clearenv, seccomp; waits on --block-fd while the caller
+    moves it into the cgroup) -> prlimit (rlimits) -> sh (NOTICE: "started", stdin /dev/null)
+    -> python3 -I -u
 
 Measured on the 2-core CI machine, the wrappers cost nothing visible next to bwrap's own
 namespace set-up and the interpreter's start (see benchmarks/results/sandbox_overhead.md).
@@ -14,7 +15,8 @@ per (user namespace, uid), so a limit set there bounds this sandbox alone, and a
 one sandbox cannot starve a neighbour running as the same uid (set outside, it would count every
 process of that uid on the host).
 
-Unisolated tier (explicit opt-in only): the same chain minus bwrap, in a fresh 0700 directory.
+Unisolated tier (explicit opt-in only): sh (joins the cgroup as root, there is no bwrap gate)
+-> setpriv -> prlimit -> sh (NOTICE) -> python, in a fresh 0700 directory.
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ def _root_links() -> list[str]:
 
 
 def bwrap_args(cfg: SandboxConfig, plan: Plan, *, status_fd: int, seccomp_fd: int | None,
-               code_fd: int | None, code_bytes: int) -> list[str]:
+               code_fd: int | None, code_bytes: int, gate_fd: int | None) -> list[str]:
     """bubblewrap options: every namespace, nothing of the host but /usr (read-only)."""
     assert plan.bwrap is not None
     size = str(cfg.disk_mb * _MB)
@@ -126,6 +128,8 @@ def bwrap_args(cfg: SandboxConfig, plan: Plan, *, status_fd: int, seccomp_fd: in
         args += ["--perms", "0644", "--file", str(code_fd), f"{WORK_DIR}/{CODE_NAME}"]
     if seccomp_fd is not None:
         args += ["--seccomp", str(seccomp_fd)]
+    if gate_fd is not None:  # Set-up done, the program waits here until we open the gate.
+        args += ["--block-fd", str(gate_fd)]
     args += ["--chdir", WORK_DIR, "--hostname", "sandbox", "--json-status-fd", str(status_fd),
              "--clearenv"]
     for key, value in {**_ENV, "HOME": WORK_DIR, "TMPDIR": "/tmp"}.items():

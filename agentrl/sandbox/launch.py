@@ -94,16 +94,24 @@ def _start(cfg: SandboxConfig, plan: Plan, code: bytes | None, cpu_time_s: float
         parent_fds += [msg_w, ctl_r]
         python += ["-c", GUEST_SOURCE, str(ctl_r), str(msg_w)]
     procs = cgroup.procs_files if cgroup is not None else []
-    rlimits = rlimit_args(cfg, cpu_time_s=cpu_time_s, nproc=isolated or plan.drop_uid is not None,
-                          has_cgroup=cgroup is not None)
-    work_dir = None
+    # Outside a user namespace RLIMIT_NPROC counts every process of the uid on the host (other
+    # sandboxes included), so the unisolated tier uses it only when no pids cgroup bounds it.
+    pids_cgroup = cgroup is not None and "pids" in cgroup.controllers
+    nproc = isolated or (plan.drop_uid is not None and not pids_cgroup)
+    rlimits = rlimit_args(cfg, cpu_time_s=cpu_time_s, nproc=nproc, has_cgroup=cgroup is not None)
+    work_dir = gate_w = None
     if isolated:
         code_fd = None if code is None else _memfd("agentrl-code", code)
         seccomp_fd = None if plan.seccomp is None else _memfd("agentrl-seccomp", plan.seccomp)
         parent_fds += [fd for fd in (code_fd, seccomp_fd) if fd is not None]
-        argv = [*outer_args(plan, procs),
+        gate_r = None
+        if cgroup is not None:  # Child.admit joins the cgroup, then opens the gate.
+            gate_r, gate_w = os.pipe()
+            parent_fds.append(gate_r)
+        argv = [*outer_args(plan, []),
                 *bwrap_args(cfg, plan, status_fd=status_w, seccomp_fd=seccomp_fd,
-                            code_fd=code_fd, code_bytes=len(code or b"")), *rlimits]
+                            code_fd=code_fd, code_bytes=len(code or b""), gate_fd=gate_r),
+                *rlimits]
         env, cwd = isolated_env(), None
         if code is not None:
             python.append(f"{WORK_DIR}/{CODE_NAME}")
@@ -120,9 +128,11 @@ def _start(cfg: SandboxConfig, plan: Plan, code: bytes | None, cpu_time_s: float
         proc = spawn([*argv, *NOTICE, *python], env=env, stdin=status_w,
                      pass_fds=tuple(parent_fds), cwd=cwd)
     except OSError as exc:
+        if gate_w is not None:
+            os.close(gate_w)
         raise StartError(f"cannot start {argv[0]}: {exc}") from exc
     return Child(proc, cap=cfg.max_output_bytes, isolated=isolated, status_r=status_r,
-                 msg_r=msg_r, stdin_w=ctl_w, cgroup=cgroup, work_dir=work_dir)
+                 msg_r=msg_r, stdin_w=ctl_w, cgroup=cgroup, work_dir=work_dir, gate_w=gate_w)
 
 
 def exit_status(child: Child) -> tuple[Status, int | None]:

@@ -65,13 +65,15 @@ class Child:
 
     def __init__(self, proc: subprocess.Popen[bytes], *, cap: int, isolated: bool,
                  status_r: int, msg_r: int | None = None, stdin_w: int | None = None,
-                 cgroup: Cgroup | None = None, work_dir: str | None = None) -> None:
+                 cgroup: Cgroup | None = None, work_dir: str | None = None,
+                 gate_w: int | None = None) -> None:
         assert proc.stdout is not None and proc.stderr is not None
         self.proc, self.cap, self.isolated = proc, cap, isolated
         self.cgroup, self.work_dir = cgroup, work_dir
         self._owner = os.getpid()
         self._out_fd, self._err_fd = proc.stdout.fileno(), proc.stderr.fileno()
         self._status_r, self._msg_r, self._stdin_w = status_r, msg_r, stdin_w
+        self._gate_w = gate_w
         self.buffers: dict[int, bytearray] = {fd: bytearray() for fd in
                                               (self._out_fd, self._err_fd, status_r)}
         if msg_r is not None:
@@ -220,7 +222,28 @@ class Child:
             if isinstance(info, dict) and "child-pid" in info:
                 self._init_pid = int(info["child-pid"])
                 self._init_pidfd = _pidfd_open(self._init_pid)
+                self._admit(self._init_pid)
                 return
+
+    def _admit(self, pid: int) -> None:
+        """Move the sandbox's init into the cgroup, then open bwrap's --block-fd gate so it
+        starts the program (which inherits the cgroup). Done here, not by a wrapper before
+        bwrap, because a cgroup migration can wait out an RCU grace period (~10 ms on this
+        machine) and here that wait overlaps bwrap's own mount set-up."""
+        if self._gate_w is None or self.closed:  # Closing: it must never start.
+            return
+        gate, self._gate_w = self._gate_w, None
+        try:
+            if self.cgroup is not None:
+                for procs in self.cgroup.procs_files:
+                    with open(procs, "w") as f:
+                        f.write(str(pid))
+            os.write(gate, b"x")
+        except OSError:  # Never let it start outside its cgroup: it will read as sandbox_error.
+            logger.exception("cannot move sandbox init %s into its cgroup", pid)
+            self._kill_tree()
+        finally:
+            os.close(gate)
 
     def _kill_tree(self) -> None:
         """SIGKILL the whole sandbox: its init (the PID namespace dies with it, and bwrap then
@@ -258,9 +281,13 @@ class Child:
         self.leaked = not self._verify_empty()
         if self.leaked:
             logger.error("sandbox pid %s left processes behind after kill", self.proc.pid)
+        self._reap_init()
         if self.cgroup is not None:
             self.oom_kills = self.cgroup.oom_kills()
             self.cgroup.remove()
+        if self._gate_w is not None:  # Never opened: kill first, as EOF would let it run.
+            os.close(self._gate_w)
+            self._gate_w = None
         for fd in (self._status_r, self._msg_r, self._stdin_w, self._exit_fd, self._init_pidfd):
             if fd is not None:
                 try:
@@ -272,6 +299,18 @@ class Child:
                 stream.close()
         if self.work_dir is not None:
             shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    def _reap_init(self) -> None:
+        """bwrap exits without reaping its init, so the kernel hands that (dead) init to our
+        reaper. Normally that is the container's PID 1; when it is us (the caller runs as PID 1
+        or a subreaper) nobody else will reap it, so do it here or zombies pile up."""
+        p_pidfd = getattr(os, "P_PIDFD", None)
+        if self._init_pidfd is None or p_pidfd is None:
+            return
+        try:
+            os.waitid(p_pidfd, self._init_pidfd, os.WEXITED | os.WNOHANG)
+        except ChildProcessError:  # Not ours: our reaper takes care of it.
+            pass
 
     def drain_status(self) -> None:
         """Read whatever the status pipe holds (the init pid may not have been read yet)."""

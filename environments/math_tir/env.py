@@ -45,6 +45,7 @@ from environments.math_tir.prompts import (
     MATH_SYSTEM_PROMPT,
     NO_ACTION_HINT,
     PYTHON_TOOL,
+    TIR_EXAMPLE,
     TIR_SYSTEM_PROMPT,
 )
 
@@ -94,6 +95,7 @@ class _MathEnvBase(ChatEnv):
         task_options: Mapping[str, Mapping[str, object]] | None,
         eval_fraction: float,
         system_prompt: str | None,
+        examples: Sequence[Message] | None,
         format_reward: float,
     ) -> None:
         if data_path is not None:
@@ -111,6 +113,7 @@ class _MathEnvBase(ChatEnv):
             raise ValueError(f"no problems in split {split!r}; widen the task or data")
         self.split = split
         self.system_prompt = system_prompt
+        self.examples = [dict(m) for m in examples or ()]
         self.format_reward = float(format_reward)
         self.problem: Problem = self.problems[0]
         self.problem_index = 0
@@ -136,6 +139,7 @@ class _MathEnvBase(ChatEnv):
         messages: list[Message] = []
         if self.system_prompt:
             messages.append({"role": "system", "content": self.system_prompt})
+        messages.extend(dict(m) for m in self.examples)
         messages.append({"role": "user", "content": self.problem.question})
         return messages
 
@@ -172,6 +176,8 @@ class MathTIREnv(_MathEnvBase):
         eval_fraction: share of problem identities that belong to "eval".
         max_turns: policy turns before the episode is truncated.
         system_prompt: explains the protocol; None or "" uses the template's default.
+        examples: chat turns shown before the problem (default: one worked exchange,
+            code -> "Output: 24" -> \\boxed{24}); None or () for none.
         expose_tools: expose the python tool schema (`tools`) to the chat template.
         max_output_chars: observation size cap per call (head and tail are kept).
         max_calls_per_turn: code calls run per turn; extra ones are reported, not run.
@@ -199,6 +205,7 @@ class MathTIREnv(_MathEnvBase):
         eval_fraction: float = DEFAULT_EVAL_FRACTION,
         max_turns: int = 4,
         system_prompt: str | None = TIR_SYSTEM_PROMPT,
+        examples: Sequence[Message] | None = TIR_EXAMPLE,
         expose_tools: bool = True,
         max_output_chars: int = 1024,
         max_calls_per_turn: int = 4,
@@ -230,7 +237,7 @@ class MathTIREnv(_MathEnvBase):
             split=split, tasks=tasks, difficulty=difficulty, num_problems=num_problems,
             seed=seed, data_path=data_path, question_key=question_key, answer_key=answer_key,
             task_options=task_options, eval_fraction=eval_fraction,
-            system_prompt=system_prompt, format_reward=format_reward,
+            system_prompt=system_prompt, examples=examples, format_reward=format_reward,
         )
         self.tools = [PYTHON_TOOL] if expose_tools else None
         self.sandbox = sandbox
@@ -259,6 +266,11 @@ class MathTIREnv(_MathEnvBase):
             reward = self._grade(prose, info)
             self._close_session()
             return [], reward, True, False, info
+        if self._turn >= self.max_turns:
+            # Budget spent: code run now could never be answered, so it is not run.
+            info["truncated_by"] = "max_turns"
+            self._close_session()
+            return [], 0.0, False, True, info
         calls = protocol.find_calls(assistant_text)
         reward, outputs = 0.0, []
         for i, call in enumerate(calls):
@@ -280,15 +292,11 @@ class MathTIREnv(_MathEnvBase):
         info.update(self._info())
         new = (protocol.observation(calls, outputs) if calls
                else [{"role": "user", "content": NO_ACTION_HINT}])
-        if self._turn >= self.max_turns:
-            info["truncated_by"] = "max_turns"
-            self._close_session()
-            return [], reward, False, True, info
         return new, reward, False, False, info
 
     def _run(self, code: str) -> ExecResult:
         if self._session is None:
-            self._session = self.sandbox.session()  # lazily: most turns of a step-0 policy
+            self._session = self.sandbox.session()  # lazily: answer-only episodes start none
         result = self._session.run(code)
         self._statuses.append(result.status)
         return result
@@ -340,13 +348,14 @@ class MathEnv(_MathEnvBase):
         task_options: Mapping[str, Mapping[str, object]] | None = None,
         eval_fraction: float = DEFAULT_EVAL_FRACTION,
         system_prompt: str | None = MATH_SYSTEM_PROMPT,
+        examples: Sequence[Message] | None = None,
         format_reward: float = 0.0,
     ) -> None:
         super().__init__(
             split=split, tasks=tasks, difficulty=difficulty, num_problems=num_problems,
             seed=seed, data_path=data_path, question_key=question_key, answer_key=answer_key,
             task_options=task_options, eval_fraction=eval_fraction,
-            system_prompt=system_prompt, format_reward=format_reward,
+            system_prompt=system_prompt, examples=examples, format_reward=format_reward,
         )
 
     def reset(

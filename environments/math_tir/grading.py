@@ -90,7 +90,8 @@ def parse_answer(text: str) -> list[object]:
     except Exception as e:  # noqa: BLE001 - math-verify raises many types on odd LaTeX
         logger.debug("math-verify could not parse %r: %s", text, e)
         return []
-    if not parsed or not all(_is_safe(p) for p in parsed):
+    # A failed parse comes back as the raw string alone; that is not an answer we can compare.
+    if all(isinstance(p, str) for p in parsed) or not all(_is_safe(p) for p in parsed):
         return []
     return parsed
 

@@ -14,7 +14,18 @@ You are a math assistant that can run Python. To calculate, write a Python code 
 ```python
 print(2 + 3)
 ```
-You will then see its output. When you know the answer, write it as \\boxed{ANSWER}.
+You will then see its output. When you know the answer, write it as \\boxed{ANSWER}."""
+
+TIR_EXAMPLE: tuple[dict[str, str], ...] = (
+    {"role": "user", "content": "What is 4 * 6?"},
+    {"role": "assistant", "content": "```python\nprint(4 * 6)\n```"},
+    {"role": "user", "content": "Output: 24"},
+    {"role": "assistant", "content": "The answer is \\boxed{24}."},
+)
+"""The worked exchange shown before every problem, as real chat turns: a 135M model copies
+turn structure far more reliably than an example described inside the system prompt."""
+
+TIR_SYSTEM_PROMPT_INLINE_EXAMPLE = TIR_SYSTEM_PROMPT + """
 
 Example:
 User: What is 4 * 6?

@@ -96,7 +96,7 @@ def test_wrong_answer_scores_0(tir):
 def test_boxed_inside_code_is_not_an_answer(tir):
     env = tir()
     env.reset(options={"index": 1})
-    obs, r, term, trunc, info = act(env, code(f'print("\\\\boxed{{{_gold(env)}}}")'))
+    obs, r, term, _trunc, _info = act(env, code(f'print("\\\\boxed{{{_gold(env)}}}")'))
     assert (r, term) == (0.0, False)
     assert "\\boxed" in decode(env, obs)  # it ran, and the output is only an observation
 
@@ -132,7 +132,7 @@ def test_bridge_budgets_truncate(tir):
     _, _, term, trunc, info = act(env, code("print(1)"))
     assert (term, trunc, info["truncated_by"]) == (False, True, "max_turns")
     env = tir(max_episode_tokens=300)
-    obs, _ = env.reset(seed=0)
+    _obs, _ = env.reset(seed=0)
     _, _, term, trunc, info = act(env, code("print('x' * 500)"))
     assert (term, trunc, info["truncated_by"]) == (False, True, "max_episode_tokens")
 
@@ -170,7 +170,7 @@ def test_sandbox_error_is_flagged_not_scored(tiny_tokenizer, broken_sandbox):
     env = gym.make("agentrl/MathTIR-v0", tokenizer=tiny_tokenizer, split="eval", num_problems=8,
                    sandbox=broken_sandbox)
     env.reset(seed=0)
-    obs, r, term, trunc, info = act(env, code("print(1)"))
+    _obs, r, term, trunc, info = act(env, code("print(1)"))
     assert (r, term, trunc) == (0.0, False, True)
     assert info["sandbox_error"] is True and info["truncated_by"] == "sandbox_error"
     assert info["correct"] is False

@@ -6,6 +6,7 @@ import ast
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -92,7 +93,7 @@ def test_unisolated_tier_is_explicit_and_still_limited(via_env: bool,
     assert sb.run("while True: pass", timeout_s=0.5).status == "timeout"
     assert sb.run("while True: print('x' * 100)").status == "output_limit"
     held = sb.run("import subprocess\nsubprocess.Popen(['sleep', '100'])\nprint('done')")
-    assert (held.status, held.stdout) == ("ok", "done\n") and held.wall_s < 1.5
+    assert (held.status, held.stdout) == ("ok", "done\n") and held.wall_s < 1.5, held
     with sb.session() as s:
         s.run("x = 5")
         assert s.run("x + 1").stdout == "6\n"
@@ -185,3 +186,23 @@ def test_seccomp_filter_is_well_formed() -> None:
         assert program is None
         return
     assert program is not None and len(program) % 8 == 0 and len(program) // 8 < 4096
+
+
+def test_no_zombies_when_the_caller_is_a_subreaper(bwrap_present: None) -> None:
+    """A trainer running as PID 1 (docker without --init) or as a subreaper inherits every
+    sandbox's init; they must be reaped, not pile up as zombies."""
+    script = (
+        "import ctypes, os, sys\n"
+        "assert ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER\n"
+        "from agentrl.sandbox import Sandbox, SandboxConfig\n"
+        "sb = Sandbox(SandboxConfig(timeout_s=2))\n"
+        "for code in ('print(1)', 'while True: pass', 'import os; os.fork(); print(2)'):\n"
+        "    sb.run(code)\n"
+        "with sb.session() as s:\n"
+        "    s.run('x = 1')\n"
+        "kids = [p for p in os.listdir('/proc') if p.isdigit() and\n"
+        "        open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[1] == str(os.getpid())]\n"
+        "print(len(kids))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, check=False, cwd=Path(sandbox_pkg.__file__).parents[2])
+    assert (out.returncode, out.stdout) == (0, "0\n"), out.stderr

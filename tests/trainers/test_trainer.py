@@ -142,3 +142,17 @@ def test_plot_writes_pngs(make_cfg, recorded_rollouts):
     from pathlib import Path
 
     assert (Path(cfg.run_dir) / "plots" / "reward.png").stat().st_size > 1000
+
+
+def test_packing_gives_the_same_update_as_padding(make_cfg, recorded_rollouts):
+    from agentrl.types import load_jsonl
+    from trainers.policy import PolicyWorker
+
+    trajs = load_jsonl(recorded_rollouts)[:32]
+    metrics = []
+    for packing in (True, False):
+        worker = PolicyWorker(make_cfg(packing=packing, micro_batch_size=8), with_engine=False)
+        metrics.append(worker.train(trajs, 0.0))
+    assert metrics[0]["loss"] == pytest.approx(metrics[1]["loss"], rel=1e-4, abs=1e-6)
+    assert metrics[0]["entropy"] == pytest.approx(metrics[1]["entropy"], rel=1e-4)
+    assert metrics[0]["grad_norm"] == pytest.approx(metrics[1]["grad_norm"], rel=1e-3)

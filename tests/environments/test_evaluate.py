@@ -1,0 +1,130 @@
+"""`agentrl eval`'s metrics: the unbiased pass@k, scoring rules, and evaluate() end to end
+with a scripted engine."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import threading
+from collections import Counter
+from math import comb
+
+import gymnasium as gym
+import pytest
+
+from agentrl.rollout.evaluate import EvalArgs, env_kwargs_for, evaluate, pass_at_k, score
+from agentrl.types import Completion, SamplingParams, Trajectory, Turn
+from environments.math_tir.data import generate_problems
+
+
+def _brute_pass_at_k(n: int, c: int, k: int) -> float:
+    """Fraction of k-subsets of the n samples that contain a correct one."""
+    samples = [True] * c + [False] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize(("n", "c", "k"), [(1, 0, 1), (1, 1, 1), (4, 1, 1), (4, 1, 2), (5, 2, 3),
+                                           (8, 3, 4), (8, 0, 8), (8, 8, 2), (10, 1, 10)])
+def test_pass_at_k_matches_brute_force(n, c, k):
+    assert pass_at_k(n, c, k) == pytest.approx(_brute_pass_at_k(n, c, k))
+    assert pass_at_k(n, c, k) == pytest.approx(1 - comb(n - c, k) / comb(n, k))
+
+
+def test_pass_at_k_rejects_k_above_n():
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        pass_at_k(2, 1, 3)
+
+
+def _traj(prompt_index: int, reward: float, **info) -> Trajectory:
+    return Trajectory(token_ids=[1, 2], loss_mask=[0, 1], logprobs=[0.0, 0.0],
+                      turns=[Turn(obs_start=0, start=1, end=2, reward=reward)],
+                      info={"prompt_index": prompt_index, **info})
+
+
+def test_score_rules():
+    trajs = [
+        _traj(0, 1.0, correct=True), _traj(0, 0.0, correct=False),
+        _traj(0, 1.1, correct=False),  # shaping bonus without a correct answer: not solved
+        _traj(1, 0.0, correct=False, sandbox_error=True), _traj(1, 1.0, correct=True),
+        _traj(2, 0.0, sandbox_error=True, correct=False),  # only sandbox errors: dropped
+        _traj(3, 1.0), _traj(3, 0.2),  # no "correct" key: reward >= 1 counts
+        _traj(4, 0.0, error="RuntimeError()"),
+    ]
+    result = score(trajs, k=2)
+    assert result.num_problems == 4 and result.num_samples == 7
+    assert result.num_sandbox_errors == 2 and result.num_env_errors == 1
+    assert result.per_problem == [(3, 1), (1, 1), (2, 1), (1, 0)]
+    assert result.pass_at_1 == pytest.approx((1 / 3 + 1 + 1 / 2 + 0) / 4)
+    # problem 1 has one sample left (< k): it contributes pass@1
+    assert result.pass_at_k == pytest.approx((pass_at_k(3, 1, 2) + 1 + 1 + 0) / 4)
+    assert "2 sandbox errors excluded" in result.summary()
+
+
+class ScriptedEngine:
+    """Answers "Calculate a op b." problems through the python tool: code first, then the
+    boxed output. Per question, only the first `quota(question)` answers are right, so the
+    expected per-problem counts are known whatever order the episodes run in."""
+
+    version = 0
+    max_context = 4096
+
+    def __init__(self, tokenizer, quota):
+        self.tok, self.quota = tokenizer, quota
+        self.answers: Counter[str] = Counter()
+        self.lock = threading.Lock()
+
+    async def generate(self, prompt_ids, params, images=None):
+        text = self.tok.decode(list(prompt_ids), skip_special_tokens=False)
+        question = re.findall(r"user\n(Calculate [^<]*)<\|im_end\|>", text)[-1]
+        outputs = re.findall(r"Output: (-?\d+)", text)
+        if len(outputs) < 2:  # the worked example's "Output: 24" is the first
+            expr = question.removeprefix("Calculate ").rstrip(".")
+            reply = f"```python\nprint({expr})\n```"
+        else:
+            with self.lock:
+                self.answers[question] += 1
+                right = self.answers[question] <= self.quota(question)
+            reply = f"\\boxed{{{int(outputs[-1]) + (0 if right else 1)}}}"
+        ids = self.tok.encode(reply, add_special_tokens=False)
+        ids.append(self.tok.convert_tokens_to_ids("<|im_end|>"))
+        return [Completion(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop")]
+
+    def update_weights(self, named_tensors, version):
+        raise NotImplementedError
+
+    def sleep(self):
+        pass
+
+    def wake(self):
+        pass
+
+
+def test_evaluate_end_to_end_with_scripted_engine(tiny_tokenizer, sandbox):
+    n, k, num = 4, 2, 6
+    problems = generate_problems("basic_arithmetic", split="eval", num_problems=num)
+    quota = {p.question: i % (n + 1) for i, p in enumerate(problems)}  # 0..4 right of 4
+    engine = ScriptedEngine(tiny_tokenizer, lambda q: quota[q])
+    result = evaluate(
+        engine,
+        lambda: gym.make("agentrl/MathTIR-v0", tokenizer=tiny_tokenizer, split="eval",
+                         num_problems=num),
+        num_problems=num, k=k, sampling=SamplingParams(temperature=1.0, max_tokens=64),
+        n_samples=n, max_concurrency=8,
+    )
+    expected = [(n, min(quota[p.question], n)) for p in problems]
+    assert result.per_problem == expected
+    assert result.pass_at_1 == pytest.approx(sum(c / n for _, c in expected) / num)
+    assert result.pass_at_k == pytest.approx(sum(pass_at_k(n, c, k) for _, c in expected) / num)
+    assert result.num_sandbox_errors == 0 and len(result.trajectories) == n * num
+    traj = result.trajectories[0]
+    assert traj.group == "eval-0" and traj.info["num_calls"] == 1 and len(traj.turns) == 2
+
+
+def test_env_kwargs_for_cli():
+    args = EvalArgs(env="math-tir", env_kwargs='{"max_turns": 2}')
+    assert env_kwargs_for(args, "agentrl/MathTIR-v0") == {"split": "eval", "max_turns": 2}
+    with pytest.raises(ValueError, match="JSON object"):
+        env_kwargs_for(EvalArgs(env_kwargs="[1]"), "agentrl/MathTIR-v0")
+    # An env without splits gets none.
+    assert env_kwargs_for(EvalArgs(env="reverse"), "agentrl/Reverse-v0") == {}
