@@ -218,6 +218,8 @@ class TrainConfig:
     """Seed for the model init, sampling and data order."""
     run_dir: str = "runs/latest"
     """Where checkpoints, metrics and the resolved config go."""
+    save_rollouts: bool = True
+    """Write every step's trajectories to run_dir/rollouts/step_NNNNNN.jsonl (inspect, replay)."""
     save_every: int = 0
     """Checkpoint every N steps (0 = only at the end)."""
     resume: str | None = None

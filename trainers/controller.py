@@ -15,7 +15,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from agentrl.types import Trajectory, iter_jsonl
+from agentrl.types import Trajectory, iter_jsonl, save_jsonl
 from trainers.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainers.config import TrainConfig
 from trainers.metrics import MetricsLogger
@@ -129,6 +129,8 @@ class Trainer:
     def _train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         trajs, t_rollout = self._next_batch()
+        if self.cfg.save_rollouts:
+            save_jsonl(trajs, self.run_dir / "rollouts" / f"step_{self.step + 1:06d}.jsonl")
         scored = self._shape_rewards(trajs)
         try:
             metrics = self.policy.call("train", scored, self.kl_coef)  # type: ignore[union-attr]

@@ -81,6 +81,10 @@ def make_env(target: Callable[..., Any] | str, tokenizer: Any = None, **kwargs: 
         inspect.isclass(factory) and issubclass(factory, ChatEnv)
     ):
         kwargs["tokenizer"] = tokenizer
+    if "max_turns" in bridge_kwargs and _accepts_named(factory, "max_turns"):
+        # A chat env with its own turn budget gets the same one, so gym.make(max_turns=N) means
+        # N turns whichever default the env has.
+        kwargs.setdefault("max_turns", bridge_kwargs["max_turns"])
     env = factory(**kwargs)
     if isinstance(env, ChatEnv):
         return ChatTokenEnv(env, tokenizer, **bridge_kwargs)
@@ -155,6 +159,13 @@ def _accepts(fn: Callable[..., Any], name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _accepts_named(fn: Callable[..., Any], name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _suggest_name(id: str) -> str:

@@ -267,3 +267,18 @@ def test_innocent_program_beside_fork_bomb(sb: Sandbox) -> None:
         bomb.join()
     assert innocent.status == "ok", innocent
     assert innocent.stdout == f"{sum(range(10**6))}\nchild ok\n"
+
+
+def test_memory_limit_covers_the_whole_tree(sb: Sandbox) -> None:
+    """Three children of 100 MB each stay under every per-process limit; only the cgroup
+    (256 MB for the sandbox) stops them, which proves forks cannot leave it."""
+    if not sb.layers["cgroup"]:
+        pytest.skip("no writable cgroup hierarchy on this machine")
+    code = ("import os, sys, time\npids = []\nfor _ in range(3):\n    pid = os.fork()\n"
+            "    if pid == 0:\n        block = bytearray(100 << 20)\n        time.sleep(0.5)\n"
+            "        os._exit(0)\n    pids.append(pid)\n"
+            "codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]\n"
+            "print(codes)\nsys.exit(1 if any(codes) else 0)")
+    result = sb.run(code)
+    assert result.status == "oom", result
+    assert "-9" in result.stdout
