@@ -96,16 +96,3 @@ def packed_inputs(batch: RolloutBatch, idx: Tensor) -> tuple[Tensor, Tensor, lis
     pos = torch.cat([torch.arange(n) for n in lengths])
     return ids[None], pos[None], lengths
 
-
-def unpack_targets(packed_BT: Tensor, lengths: list[int], n: int) -> Tensor:
-    """[1, L-1] per-target values of a packed row -> [m, n-1], zero-padded per sequence.
-
-    Position o+t of the packed row predicts token o+t+1; the last position of each sequence
-    (which would predict the next sequence's first token) is dropped.
-    """
-    out = packed_BT.new_zeros(len(lengths), n - 1)
-    offset = 0
-    for row, length in enumerate(lengths):
-        out[row, : length - 1] = packed_BT[0, offset : offset + length - 1]
-        offset += length
-    return out

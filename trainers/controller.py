@@ -260,6 +260,7 @@ class Trainer:
     def _evaluate(self, log: MetricsLogger, name: str) -> dict[str, Any]:
         handle = self.rollout or self.policy
         result = handle.call("evaluate")  # type: ignore[union-attr]
+        save_jsonl(result.pop("trajectories"), self.run_dir / f"{name}.jsonl")
         log.log(self.step, {f"{name}/{k}": v for k, v in result.items()})
         return result
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from agentrl import algorithms as A
-from trainers.batch import RolloutBatch, collate, length_sorted, packed_inputs, unpack_targets
+from trainers.batch import RolloutBatch, collate, length_sorted, packed_inputs
 from trainers.config import TrainConfig
 
 
@@ -78,28 +78,41 @@ class PolicyWorker:
         self, model: torch.nn.Module, batch: RolloutBatch, idx: Tensor, n: int, *,
         entropy: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        """Logprobs (and entropies) of every target token of rows `idx`, as [m, n-1].
+        """Logprobs (and entropies) of the policy tokens of rows `idx`, as [m, n-1] (0 elsewhere).
 
-        With packing (default) the rows are concatenated into one padding-free sequence.
+        With packing (default) the rows are concatenated into one padding-free sequence. The
+        vocabulary projection, log-softmax and entropy run only at the positions that predict a
+        policy token: prompts and observations are most of a multi-turn sequence, and the
+        [tokens, vocab] logits are the largest tensors of the step.
         """
         temp = self.cfg.rollout.temperature
+        rows, cols = batch.mask[idx, : n - 1].nonzero(as_tuple=True)
         if self.cfg.packing:
             ids, pos, lengths = packed_inputs(batch, idx)
-            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[:, :-1]
-            targets = ids[:, 1:]
+            offsets = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+            flat = offsets[rows] + cols
+            inputs = {"input_ids": ids, "position_ids": pos}
         else:
             ids = batch.input_ids[idx, :n]
             attn = (torch.arange(n)[None, :] < batch.lengths[idx][:, None]).long()
-            logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]
-            targets = ids[:, 1:]
-        logp = A.logprobs_from_logits(logits, targets, temperature=temp)
+            flat = rows * n + cols
+            inputs = {"input_ids": ids, "attention_mask": attn}
+        targets = ids.reshape(-1)[flat + 1]
+        split = _decoder_and_head(model)
+        if split is not None:
+            decoder, head = split
+            hidden = decoder(**inputs, use_cache=False).last_hidden_state
+            logits = head(hidden.reshape(-1, hidden.shape[-1])[flat])
+        else:
+            logits = model(**inputs, use_cache=False).logits
+            logits = logits.reshape(-1, logits.shape[-1])[flat]
+        logp = batch.mask.new_zeros(len(idx), n - 1)
+        logp[rows, cols] = A.logprobs_from_logits(logits[None], targets[None], temperature=temp)[0]
         ent = None
         if entropy:
             with torch.set_grad_enabled(self.cfg.algo.entropy_coef > 0 and torch.is_grad_enabled()):
-                ent = A.entropy_from_logits(logits, temperature=temp)
-        if self.cfg.packing:
-            logp = unpack_targets(logp, lengths, n)
-            ent = unpack_targets(ent, lengths, n) if ent is not None else None
+                ent = batch.mask.new_zeros(len(idx), n - 1)
+                ent[rows, cols] = A.entropy_from_logits(logits[None], temperature=temp)[0]
         return logp, ent
 
     @torch.no_grad()
@@ -332,6 +345,20 @@ class ValueModel(torch.nn.Module):
         attn = (torch.arange(n)[None, :] < lengths[:, None]).long()
         hidden = self.backbone(input_ids=input_ids, attention_mask=attn).last_hidden_state
         return self.head(hidden).squeeze(-1)[:, :-1]
+
+
+def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """(backbone, vocabulary projection) of a causal LM, or None where logits are more than
+    `head(hidden)` (soft-capping, logit scaling) and the full forward must be used."""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
+        return None
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if decoder is None or head is None or decoder is model:
+        return None
+    return decoder, head
 
 
 def _trim_host_memory() -> None:

@@ -13,17 +13,19 @@ def math_tir() -> TrainConfig:
     sized to finish in under 15 minutes on a 2-core CPU (see README for what was measured)."""
     return TrainConfig(
         env="math-tir",
-        env_kwargs={"split": "train"},
+        env_kwargs={"split": "train", "tasks": "basic_arithmetic", "difficulty": "easy"},
         eval_env_kwargs={"split": "eval"},
-        actor=ActorConfig(lr=2e-6),
+        actor=ActorConfig(lr=1e-5),
         algo=AlgoConfig(estimator="group_norm"),
         rollout=RolloutConfig(
-            n_samples_per_prompt=4, prompts_per_step=4, max_new_tokens=96, max_turns=3,
-            max_episode_tokens=1024,
+            n_samples_per_prompt=4, prompts_per_step=4, max_new_tokens=64, max_turns=2,
+            max_episode_tokens=512,
         ),
-        steps=20,
-        micro_batch_size=4,
+        steps=12,
+        micro_batch_size=8,
         eval_problems=32,
+        eval_samples=2,
+        eval_temperature=1.0,
         run_dir="runs/math-tir",
     )
 

@@ -118,6 +118,8 @@ def evaluate_engine(engine: Any, cfg: TrainConfig, tokenizer: Any) -> dict[str, 
         "pass@1": result.pass_at_1,
         f"pass@{cfg.eval_samples}": result.pass_at_k,
         "num_problems": result.num_problems,
+        "num_samples": result.num_samples,
+        "trajectories": result.trajectories,
     }
 
 

@@ -15,14 +15,18 @@ tier has a shell write its own pid before exec'ing the rest of the chain (`comma
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import signal
 import time
 from dataclasses import dataclass
 
+logger = logging.getLogger(__name__)
+
 _ROOT = "/sys/fs/cgroup"
 _V1_CONTROLLERS = ("memory", "pids", "cpu")
 _counter = itertools.count()
+_PREFIX = "agentrl-sandbox-"
 _CPU_PERIOD_US = 100_000
 
 
@@ -37,6 +41,13 @@ def _read(path: str) -> str:
             return f.read()
     except OSError:
         return ""
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
 
 
 def _own_cgroups() -> dict[str, str]:
@@ -99,9 +110,24 @@ class CgroupFactory:
             enabled = _read(os.path.join(parent, "cgroup.subtree_control")).split()
         return cls(2, {"": parent}) if "memory" in enabled else None
 
+    def collect_stale(self) -> int:
+        """Remove groups left by dead processes (SIGKILLed or os._exit'ed callers run no
+        cleanup); their name holds the owner's pid. Returns how many were removed."""
+        stale: dict[str, dict[str, str]] = {}
+        for controller, parent in self.parents.items():
+            for name in _listdir(parent):
+                owner = name.split("-")[2] if name.startswith(_PREFIX) else ""
+                if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+                    stale.setdefault(name, {})[controller] = os.path.join(parent, name)
+        for dirs in stale.values():
+            group = Cgroup(self.version, dirs)
+            group.kill(timeout_s=1.0)  # Unisolated leftovers; bwrap ones died with their parent.
+            group.remove()
+        return len(stale)
+
     def create(self, memory_bytes: int, max_pids: int, cpu_cores: float | None) -> Cgroup:
         """Make a fresh group with these limits; OSError if the kernel refuses."""
-        name = f"agentrl-sandbox-{os.getpid()}-{next(_counter)}"
+        name = f"{_PREFIX}{os.getpid()}-{next(_counter)}"
         dirs = {c: os.path.join(parent, name) for c, parent in self.parents.items()}
         group = Cgroup(self.version, dirs)
         try:
@@ -192,13 +218,15 @@ class Cgroup:
     def remove(self) -> None:
         """rmdir every controller's directory (retrying briefly while the kernel drains it)."""
         for path in self.dirs.values():
-            for _ in range(100):
+            for attempt in range(100):
                 try:
                     os.rmdir(path)
                     break
                 except FileNotFoundError:
                     break
-                except OSError:
+                except OSError as exc:
+                    if attempt == 99:  # The next process's collect_stale() retries it.
+                        logger.warning("cannot remove cgroup %s: %s", path, exc)
                     time.sleep(0.005)
 
 

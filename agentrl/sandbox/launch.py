@@ -40,10 +40,13 @@ class StartError(RuntimeError):
 
 
 def cgroup_factory() -> CgroupFactory | None:
-    """Detect a writable cgroup hierarchy once per process."""
+    """Detect a writable cgroup hierarchy once per process (and sweep dead callers' groups)."""
     with _factory_lock:
         if not _factory:
-            _factory.append(CgroupFactory.detect())
+            factory = CgroupFactory.detect()
+            if factory is not None:
+                factory.collect_stale()
+            _factory.append(factory)
         return _factory[0]
 
 

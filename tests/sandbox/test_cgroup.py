@@ -67,3 +67,23 @@ def test_live_group_contains_and_kills_a_process_tree() -> None:
         group.kill()
         group.remove()
     assert all(not os.path.exists(d) for d in group.dirs.values())
+
+
+def test_groups_of_dead_callers_are_swept() -> None:
+    """A caller killed with SIGKILL runs no cleanup; the next one removes what it left."""
+    factory = cgroup_factory()
+    if factory is None:
+        pytest.skip("no writable cgroup hierarchy on this machine")
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # Its pid is now free (reuse within this test is vanishingly unlikely).
+    name = f"agentrl-sandbox-{dead.pid}-0"
+    leftovers = [os.path.join(parent, name) for parent in factory.parents.values()]
+    for path in leftovers:
+        os.mkdir(path)
+    mine = factory.create(64 << 20, 8, None)  # A live owner's group must survive the sweep.
+    try:
+        assert factory.collect_stale() >= 1
+        assert not any(os.path.exists(path) for path in leftovers)
+        assert all(os.path.exists(d) for d in mine.dirs.values())
+    finally:
+        mine.remove()

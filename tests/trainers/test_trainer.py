@@ -156,3 +156,26 @@ def test_packing_gives_the_same_update_as_padding(make_cfg, recorded_rollouts):
     assert metrics[0]["loss"] == pytest.approx(metrics[1]["loss"], rel=1e-4, abs=1e-6)
     assert metrics[0]["entropy"] == pytest.approx(metrics[1]["entropy"], rel=1e-4)
     assert metrics[0]["grad_norm"] == pytest.approx(metrics[1]["grad_norm"], rel=1e-3)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_forward_matches_a_plain_forward_at_policy_tokens(make_cfg, recorded_rollouts, packing):
+    from agentrl.types import load_jsonl
+    from trainers.batch import collate
+    from trainers.policy import PolicyWorker
+
+    worker = PolicyWorker(make_cfg(packing=packing), with_engine=False)
+    trajs = load_jsonl(recorded_rollouts)[:6]
+    batch = collate(trajs, worker.pad_id)
+    idx = torch.arange(6)
+    n = int(batch.lengths.max())
+    with torch.no_grad():
+        logp, _ = worker._forward(worker.model, batch, idx, n)
+        for b, traj in enumerate(trajs):
+            ids = torch.tensor([traj.token_ids])
+            ref = torch.log_softmax(worker.model(input_ids=ids).logits[0, :-1], -1)
+            ref = ref.gather(-1, ids[0, 1:, None])[:, 0] * batch.mask[b, : len(traj.token_ids) - 1]
+            torch.testing.assert_close(logp[b, : len(traj.token_ids) - 1], ref, atol=1e-5, rtol=0)
+            # ... and with the sampler's logprobs (same weights, fp32, temperature 1).
+            sel = batch.mask[b].bool()
+            torch.testing.assert_close(logp[b][sel], batch.rollout_logp[b][sel], atol=1e-4, rtol=0)
