@@ -110,6 +110,28 @@ class Completion:
             )
 
 
+@dataclass(frozen=True, kw_only=True)
+class CompletionDelta:
+    """New tokens of one of a request's n completions, as a streaming engine samples them.
+
+    Concatenating a choice's deltas gives exactly its `Completion` (ids, logprobs, top
+    logprobs); `finish_reason` is None until the choice's last delta, which may carry no tokens
+    (an abort).
+    """
+
+    index: int
+    """Which of the request's `n` completions these tokens extend."""
+    token_ids: list[int]
+    logprobs: list[float] | None
+    """Log-probability of each new token; None when the request asked for none."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per new token, the most likely (token id, logprob) pairs, if asked for."""
+    finish_reason: FinishReason | None = None
+    policy_version: int = 0
+    stop_reason: str | int | None = None
+    """On the last delta: the stop string or stop token id that ended the completion, if any."""
+
+
 @dataclass(kw_only=True)
 class Image:
     """An image the model saw, and where its placeholder tokens sit in `Trajectory.token_ids`."""

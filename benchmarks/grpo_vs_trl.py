@@ -5,6 +5,7 @@ prompts, 2 prompts per step x 4 generations, at most 32 new tokens, lr 1e-6, bet
 temperature 1, reward -|20 - len(completion)| / 20, gradient checkpointing on both sides. Each side runs in its own subprocess so
 peak RSS is its own. Per-step time is the median over steps after the first (warm-up).
 
+    .venv/bin/pip install -e ".[bench]"     # TRL 1.16 (not part of the default set-up)
     .venv/bin/python benchmarks/grpo_vs_trl.py --steps 6
 """
 

@@ -25,7 +25,7 @@ import difflib
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Self
 
 import numpy as np
@@ -36,7 +36,7 @@ from agentrl.engine.base import GenerationError, NamedTensors
 from agentrl.engine.kv import KV, BatchCache, PrefixCache
 from agentrl.engine.requests import Request, Sample, check_request, stop_string_hit
 from agentrl.engine.sampling import sample_tokens
-from agentrl.types import Completion, SamplingParams
+from agentrl.types import Completion, CompletionDelta, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -127,6 +127,65 @@ class TransformersEngine:
         Cancelling the awaiting task aborts the request and frees its slots; `abort(request_id)`
         instead makes this call return the tokens so far with finish reason "abort".
         """
+        req = self._submit(prompt_ids, params, images, request_id, stream=False)
+        if req is None:
+            return [_empty_completion(params, self._version) for _ in range(params.n)]
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            self.abort(req.id)
+            raise
+
+    async def generate_stream(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        images: Sequence[np.ndarray] | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> AsyncIterator[CompletionDelta]:
+        """Like `generate`, but yield each decode step's new tokens as soon as they are sampled.
+
+        Deltas of the `params.n` choices interleave by `index`; a choice's deltas concatenate to
+        exactly the `Completion` that `generate` returns, and its last delta carries the finish
+        reason (and stop reason). Closing the iterator or cancelling the task iterating it
+        aborts the request and frees its slots.
+        """
+        req = self._submit(prompt_ids, params, images, request_id, stream=True)
+        if req is None:
+            for i in range(params.n):
+                yield _delta(_empty_completion(params, self._version), i, 0)
+            return
+        assert req.stream is not None
+        sent, finished = [0] * params.n, [False] * params.n
+        completed = False
+        try:
+            while (deltas := await req.stream.get()) is not None:
+                for d in deltas:
+                    sent[d.index] += len(d.token_ids)
+                    finished[d.index] = d.finish_reason is not None
+                    yield d
+            completed = True
+            # Samples that ended without a sampled token (abort, close, sleep) end here.
+            for i, c in enumerate(await req.future):
+                if not finished[i]:
+                    yield _delta(c, i, sent[i])
+        finally:
+            if not completed:
+                self.abort(req.id)
+                # A failure resolving the future after the consumer left is nobody's to read.
+                req.future.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def _submit(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        images: Sequence[np.ndarray] | None,
+        request_id: str | None,
+        *,
+        stream: bool,
+    ) -> Request | None:
+        """Validate and queue a request; None when there is nothing to sample (max_tokens=0)."""
         prompt = check_request(
             prompt_ids, params, vocab_size=self.vocab_size, max_context=self._max_context
         )
@@ -138,29 +197,18 @@ class TransformersEngine:
         if self._closed:
             raise RuntimeError("engine is closed")
         if params.max_tokens == 0:
-            empty = [] if params.logprobs else None
-            return [
-                Completion(
-                    token_ids=[],
-                    logprobs=empty,
-                    finish_reason="length",
-                    policy_version=self._version,
-                )
-                for _ in range(params.n)
-            ]
+            return None
         loop = asyncio.get_running_loop()
         req = Request(request_id or uuid.uuid4().hex, prompt, params, loop, loop.create_future())
+        if stream:
+            req.stream = asyncio.Queue()
         with self._cv:
             if req.id in self._by_id:
                 raise ValueError(f"request id {req.id!r} is already running")
             self._by_id[req.id] = req
             self._pending.append(req)
             self._cv.notify_all()
-        try:
-            return await req.future
-        except asyncio.CancelledError:
-            self.abort(req.id)
-            raise
+        return req
 
     def abort(self, request_id: str) -> bool:
         """Stop a request: its samples end with finish reason "abort" and free their slots."""
@@ -413,6 +461,7 @@ class TransformersEngine:
             top_vals, top_ids = src.topk(want_top, dim=-1)
             top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
         self.counters["generated_tokens"] += len(samples)
+        streamed: dict[int, tuple[Request, list[CompletionDelta]]] = {}
         for i, (s, tok, lp) in enumerate(zip(samples, tokens.tolist(), lps.tolist(), strict=True)):
             s.tokens.append(tok)
             s.logprobs.append(lp)
@@ -426,6 +475,15 @@ class TransformersEngine:
                     ]
                 )
             self._check_finished(s, tok)
+            if s.request.stream is not None:
+                streamed.setdefault(id(s.request), (s.request, []))[1].append(s.delta(-1))
+        # One hand-off per request and step, before any request resolves: the consumer sees
+        # every token before the end-of-stream marker that `resolve` queues after the deltas.
+        for req, deltas in streamed.values():
+            req.emit(deltas)
+        for s in samples:
+            if s.done:
+                self._on_sample_done(s)
 
     def _check_finished(self, s: Sample, tok: int) -> None:
         p = s.request.params
@@ -437,8 +495,6 @@ class TransformersEngine:
             s.finish, s.stop_reason = "stop", hit
         elif len(s.tokens) >= s.max_tokens:
             s.finish = "length"
-        if s.done:
-            self._on_sample_done(s)
 
     def _stop_hit(self, s: Sample, stops: Sequence[str]) -> str | None:
         # The stop string was absent after the previous token, so it ends in the newest one;
@@ -495,6 +551,28 @@ class TransformersEngine:
                 self._by_id.pop(req.id, None)
             req.resolve(GenerationError(f"generation failed: {error!r}"))
         self._batch, self._rows = None, []
+
+
+def _empty_completion(params: SamplingParams, version: int) -> Completion:
+    return Completion(
+        token_ids=[],
+        logprobs=[] if params.logprobs else None,
+        finish_reason="length",
+        policy_version=version,
+    )
+
+
+def _delta(c: Completion, index: int, start: int) -> CompletionDelta:
+    """The last delta of a completion: its tokens from `start` on, and why it ended."""
+    return CompletionDelta(
+        index=index,
+        token_ids=c.token_ids[start:],
+        logprobs=c.logprobs[start:] if c.logprobs is not None else None,
+        top_logprobs=c.top_logprobs[start:] if c.top_logprobs is not None else None,
+        finish_reason=c.finish_reason,
+        policy_version=c.policy_version,
+        stop_reason=c.stop_reason,
+    )
 
 
 def _stack_prefixes(hits: list[tuple[int, KV | None]], width: int) -> KV:

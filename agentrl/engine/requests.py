@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from agentrl.engine.base import PromptTooLongError
-from agentrl.types import Completion, FinishReason, SamplingParams
+from agentrl.types import Completion, CompletionDelta, FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -74,6 +74,19 @@ class Sample:
     finish: FinishReason | None = None
     stop_reason: str | int | None = None
 
+    def delta(self, start: int) -> CompletionDelta:
+        """The tokens from position `start` on, with the finish reason if the sample is done."""
+        params = self.request.params
+        return CompletionDelta(
+            index=self.index,
+            token_ids=self.tokens[start:],
+            logprobs=self.logprobs[start:] if params.logprobs else None,
+            top_logprobs=[list(t) for t in self.top[start:]] if params.top_logprobs else None,
+            finish_reason=self.finish,
+            policy_version=self.version,
+            stop_reason=self.stop_reason,
+        )
+
     @property
     def done(self) -> bool:
         return self.finish is not None
@@ -99,6 +112,14 @@ class Request:
     future: asyncio.Future
     samples: list[Sample] = field(default_factory=list)
     aborted: bool = False
+    stream: asyncio.Queue[list[CompletionDelta] | None] | None = None
+    """For `generate_stream`: deltas of each step, then None once `future` is resolved."""
+
+    def emit(self, deltas: list[CompletionDelta]) -> None:
+        """Hand one step's deltas to the streaming consumer (thread-safe; FIFO with `resolve`)."""
+        if self.stream is not None and deltas:
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed
+                self.loop.call_soon_threadsafe(self.stream.put_nowait, deltas)
 
     def resolve(self, result: list[Completion] | BaseException) -> None:
         """Hand the result to the awaiting coroutine (thread-safe; no-op if it went away)."""
@@ -110,6 +131,8 @@ class Request:
                 self.future.set_exception(result)
             else:
                 self.future.set_result(result)
+            if self.stream is not None:
+                self.stream.put_nowait(None)
 
         with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
             self.loop.call_soon_threadsafe(_set)
