@@ -210,8 +210,11 @@ class TrainConfig:
     """Sequences per forward/backward (gradient accumulation; does not change the result)."""
     packing: bool = True
     """Pack each micro-batch's sequences into one row (no padding); False pads instead."""
-    backend: Literal["local"] = "local"
-    """Training backend inside the policy actor (FSDP2 / DeepSpeed ZeRO: not yet)."""
+    backend: Literal["local", "fsdp2"] = "local"
+    """Training backend: local (one process) or fsdp2 (parameters, gradients and optimizer
+    state sharded over --num_policy_workers Ray actors; needs --rollout.mode placed)."""
+    num_policy_workers: int = 1
+    """Data-parallel policy workers (ranks) for --backend fsdp2."""
     use_ray: bool = True
     """Run the policy/rollout workers as Ray actors (False: in this process, for debugging)."""
     seed: int = 0
@@ -256,6 +259,21 @@ class TrainConfig:
             raise ValueError("--micro_batch_size and --epochs_per_step must be >= 1, --steps >= 0")
         if self.eval_samples < 1:
             raise ValueError("--eval_samples must be >= 1")
+        if self.backend == "fsdp2":
+            if not self.use_ray or ro.mode != "placed":
+                raise ValueError(
+                    "--backend fsdp2 runs ranks as Ray actors beside a separate rollout actor: "
+                    "set --use_ray true and --rollout.mode placed"
+                )
+            if self.algo.estimator == "gae":
+                raise ValueError("--backend fsdp2 does not support the critic (gae) yet")
+            if batch % (self.num_policy_workers * self.minibatches_per_step):
+                raise ValueError(
+                    f"--num_policy_workers {self.num_policy_workers} x --minibatches_per_step "
+                    f"{self.minibatches_per_step} must divide the rollout batch ({batch})"
+                )
+        elif self.num_policy_workers != 1:
+            raise ValueError("--num_policy_workers > 1 needs --backend fsdp2")
         if self.agent and not (self.agent_tasks and self.agent_reward):
             raise ValueError("--agent needs --agent_tasks FILE.jsonl and --agent_reward module:fn")
 

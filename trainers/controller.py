@@ -54,6 +54,32 @@ class _Handle:
         return self.result(self.submit(method, *args))
 
 
+class _Group:
+    """Data-parallel policy ranks: every call goes to all of them (collectives inside need
+    every rank); the result is rank 0's. `train` gets each rank its slice of the batch."""
+
+    remote = True
+
+    def __init__(self, actors: list[Any]) -> None:
+        self.actors = actors
+        self.obj = actors[0]
+
+    def call(self, method: str, *args: Any) -> Any:
+        import ray
+
+        if method == "train":
+            trajs, rest = args[0], args[1:]
+            k = len(trajs) // len(self.actors)
+            futures = [getattr(a, method).remote(trajs[i * k : (i + 1) * k], *rest)
+                       for i, a in enumerate(self.actors)]
+        else:
+            futures = [getattr(a, method).remote(*args) for a in self.actors]
+        try:
+            return ray.get(futures)[0]
+        except ray.exceptions.RayActorError as e:
+            raise TrainingError(f"a Ray worker died: {e}") from e
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
@@ -83,8 +109,19 @@ class Trainer:
             from trainers.ray_utils import init_ray
 
             init_ray()
-            policy = ray.remote(PolicyWorker).options(num_cpus=0).remote(cfg, with_engine=engine)
-            self.policy = _Handle(policy, True)
+            if cfg.backend == "fsdp2":
+                addr = _free_tcp_address()
+                ranks = [
+                    ray.remote(PolicyWorker).options(num_cpus=0).remote(
+                        cfg, with_engine=False, rank=r, world_size=cfg.num_policy_workers,
+                        dist_addr=addr,
+                    )
+                    for r in range(cfg.num_policy_workers)
+                ]
+                self.policy = _Group(ranks)  # type: ignore[assignment]
+            else:
+                policy = ray.remote(PolicyWorker).options(num_cpus=0).remote(cfg, with_engine=engine)
+                self.policy = _Handle(policy, True)
             if placed and cfg.replay is None:
                 worker = ray.remote(RolloutWorker).options(num_cpus=0).remote(cfg)
                 self.rollout = _Handle(worker, True)
@@ -294,6 +331,14 @@ class Trainer:
                 next(self._replay, None)
         self._sync_weights()
         logger.info("resumed from %s at step %d", path, self.step)
+
+
+def _free_tcp_address() -> str:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
 
 
 class _Ready:

@@ -27,16 +27,27 @@ class NonFiniteLossError(RuntimeError):
 
 
 class PolicyWorker:
-    def __init__(self, cfg: TrainConfig, *, with_engine: bool = True) -> None:
+    def __init__(
+        self, cfg: TrainConfig, *, with_engine: bool = True, rank: int = 0, world_size: int = 1,
+        dist_addr: str | None = None,
+    ) -> None:
         from agentrl.models import load_model, load_tokenizer
 
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
+        self.rank = rank
         self.tokenizer = load_tokenizer(cfg.actor.model)
         self.model = load_model(cfg.actor.model, dtype=cfg.actor.dtype)
         self.model.train()
         if cfg.actor.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+        self.sharded = cfg.backend == "fsdp2"
+        if self.sharded:
+            from trainers import fsdp
+
+            assert dist_addr is not None and not with_engine
+            fsdp.init_distributed(rank, world_size, dist_addr)
+            fsdp.shard_model(self.model)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=cfg.actor.lr,
@@ -80,10 +91,10 @@ class PolicyWorker:
     ) -> tuple[Tensor, Tensor | None]:
         """Logprobs (and entropies) of the policy tokens of rows `idx`, as [m, n-1] (0 elsewhere).
 
-        With packing (default) the rows are concatenated into one padding-free sequence. The
+        With packing (default) the rows are concatenated into one padding-free sequence, and the
         vocabulary projection, log-softmax and entropy run only at the positions that predict a
-        policy token: prompts and observations are most of a multi-turn sequence, and the
-        [tokens, vocab] logits are the largest tensors of the step.
+        policy token (`logits_to_keep`): prompts and observations are most of a multi-turn
+        sequence, and the [tokens, vocab] logits are the largest tensors of the step.
         """
         temp = self.cfg.rollout.temperature
         rows, cols = batch.mask[idx, : n - 1].nonzero(as_tuple=True)
@@ -98,11 +109,9 @@ class PolicyWorker:
             flat = rows * n + cols
             inputs = {"input_ids": ids, "attention_mask": attn}
         targets = ids.reshape(-1)[flat + 1]
-        split = _decoder_and_head(model)
-        if split is not None:
-            decoder, head = split
-            hidden = decoder(**inputs, use_cache=False).last_hidden_state
-            logits = head(hidden.reshape(-1, hidden.shape[-1])[flat])
+        if _accepts_logits_to_keep(model) and ids.shape[0] == 1:
+            # Packed: one row, so the kept positions are exactly the ones we need.
+            logits = model(**inputs, use_cache=False, logits_to_keep=flat).logits[0]
         else:
             logits = model(**inputs, use_cache=False).logits
             logits = logits.reshape(-1, logits.shape[-1])[flat]
@@ -148,17 +157,8 @@ class PolicyWorker:
         if self.ref_model is not None and not algo.kl_as_loss:
             old = batch.extras.get("old_logp", batch.rollout_logp)
             kl = A.kl_estimate(algo.kl_estimator, old, batch.extras["ref_logp"]) * batch.mask
-        adv, ret = A.compute_advantages(
-            algo.estimator,
-            rewards_BT=batch.rewards,
-            mask_BT=batch.mask,
-            group_ids_B=batch.group_ids,
-            values_BT=batch.extras.get("values"),
-            gamma=algo.gamma,
-            lam=algo.lam if algo.estimator == "gae" else 1.0,
-            kl_BT=kl,
-            kl_coef=kl_coef if kl is not None else 0.0,
-        )
+        groups = [t.group if t.group is not None else t.uid for t in trajectories]
+        adv, ret = self._advantages(batch, groups, kl, kl_coef)
         batch.extras["advantages"], batch.extras["returns"] = adv, ret
         metrics = self._epochs(batch)
         metrics.update(
@@ -173,6 +173,36 @@ class PolicyWorker:
             # Colocated: the engine samples from self.model itself; this only bumps the version.
             self.engine.update_weights({}, self.version)
         return metrics
+
+    def _advantages(
+        self, batch: RolloutBatch, groups: list[str], kl: Tensor | None, kl_coef: float
+    ) -> tuple[Tensor, Tensor]:
+        """Advantages over the whole rollout batch; with data parallelism every rank gathers all
+        ranks' rewards/masks (small) so baselines and whitening see every sequence."""
+        from trainers import fsdp
+
+        algo = self.cfg.algo
+        fields = {"rewards": batch.rewards, "mask": batch.mask, "kl": kl,
+                  "values": batch.extras.get("values")}
+        parts = fsdp.gather_objects(({k: v for k, v in fields.items() if v is not None}, groups))
+        width = max(p[0]["mask"].shape[1] for p in parts)
+        full = {k: fsdp.pad_cat([p[0][k] for p in parts], width) for k in parts[0][0]}
+        all_groups = [g for p in parts for g in p[1]]
+        ids = {g: i for i, g in enumerate(dict.fromkeys(all_groups))}
+        adv, ret = A.compute_advantages(
+            algo.estimator,
+            rewards_BT=full["rewards"],
+            mask_BT=full["mask"],
+            group_ids_B=torch.tensor([ids[g] for g in all_groups]),
+            values_BT=full.get("values"),
+            gamma=algo.gamma,
+            lam=algo.lam if algo.estimator == "gae" else 1.0,
+            kl_BT=full.get("kl"),
+            kl_coef=kl_coef if kl is not None else 0.0,
+        )
+        start = sum(p[0]["mask"].shape[0] for p in parts[: self.rank])
+        rows, cols = batch.mask.shape
+        return adv[start : start + rows, :cols], ret[start : start + rows, :cols]
 
     def _epochs(self, batch: RolloutBatch) -> dict[str, float]:
         cfg = self.cfg
@@ -196,9 +226,14 @@ class PolicyWorker:
         Losses are normalised by the token / sequence counts of the whole minibatch, so the
         gradient does not depend on how it is split into micro-batches.
         """
+        from trainers import fsdp
+
         cfg, algo = self.cfg, self.cfg.algo
         sel = torch.as_tensor(rows)
-        num_tokens = float(batch.mask[sel].sum())
+        # Global counts (all micro-batches, all ranks): the gradient is then a sum over ranks,
+        # and FSDP's reduce-scatter averages, hence the `world` factor on the loss below.
+        num_tokens, num_seqs = fsdp.all_sum([float(batch.mask[sel].sum()), float(len(rows))])
+        world = fsdp.world()
         totals = {"loss": 0.0, "entropy": 0.0, "clip_ratio": 0.0, "mismatch": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
         for idx, n in batch.micro_batches(length_sorted(batch, rows), cfg.micro_batch_size):
@@ -231,22 +266,26 @@ class PolicyWorker:
                 mask,
                 algo.loss_agg,
                 num_tokens=num_tokens,
-                num_seqs=len(rows),
+                num_seqs=num_seqs,
                 constant=cfg.rollout.max_new_tokens if algo.loss_agg == "constant" else None,
             )
-            if not math.isfinite(float(loss.detach())):
+            # Decided together, so that no rank waits in a collective another rank skipped.
+            (bad,) = fsdp.all_sum([0.0 if math.isfinite(float(loss.detach())) else 1.0])
+            if bad:
                 self.optimizer.zero_grad(set_to_none=True)
                 raise NonFiniteLossError(
                     f"non-finite policy loss {float(loss.detach())} at version {self.version}"
                 )
-            loss.backward()
+            (loss * world).backward()
             w = float(mask.sum()) / max(num_tokens, 1.0)
             totals["loss"] += float(loss.detach())
             totals["entropy"] += float(A.masked_mean(ent.detach(), mask)) * w
             totals["clip_ratio"] += float(m["clip_ratio"]) * w
             totals["mismatch"] += float(A.logprob_mismatch(logp.detach(), rollout, mask)) * w
+        keys = list(totals)
+        totals = dict(zip(keys, fsdp.all_sum([totals[k] for k in keys]), strict=True))
         if cfg.actor.max_grad_norm > 0:
-            totals["grad_norm"] = float(
+            totals["grad_norm"] = fsdp.full_norm(
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.actor.max_grad_norm)
             )
         self.optimizer.step()
@@ -297,10 +336,19 @@ class PolicyWorker:
             self.model.train()
 
     # ------------------------------------------------------------------ state
+    def _model_and_optim_state(self) -> tuple[dict, dict]:
+        if self.sharded:
+            from trainers import fsdp
+
+            return fsdp.full_state(self.model, self.optimizer)
+        return self.model.state_dict(), self.optimizer.state_dict()
+
     def state_dict(self) -> dict[str, Any]:
+        """Everything to resume (full, unsharded tensors; a collective under FSDP2)."""
+        model_sd, optim_sd = self._model_and_optim_state()
         state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_sd,
+            "optimizer": optim_sd,
             "scheduler": self.scheduler.state_dict(),
             "version": self.version,
             "rng": _rng_state(),
@@ -311,8 +359,13 @@ class PolicyWorker:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.sharded:
+            from trainers import fsdp
+
+            fsdp.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
         if self.critic is not None:
@@ -323,11 +376,17 @@ class PolicyWorker:
             self.engine.update_weights({}, self.version)
 
     def named_weights(self) -> dict[str, Tensor]:
+        if self.sharded:
+            from trainers import fsdp
+
+            return fsdp.full_state(self.model, None)[0]
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def export_hf(self, path: str) -> None:
-        self.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        weights = self.named_weights()  # a collective under FSDP2: every rank calls it
+        if self.rank == 0:
+            self.model.save_pretrained(path, state_dict=weights)
+            self.tokenizer.save_pretrained(path)
 
 
 class ValueModel(torch.nn.Module):
@@ -347,18 +406,15 @@ class ValueModel(torch.nn.Module):
         return self.head(hidden).squeeze(-1)[:, :-1]
 
 
-def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
-    """(backbone, vocabulary projection) of a causal LM, or None where logits are more than
-    `head(hidden)` (soft-capping, logit scaling) and the full forward must be used."""
-    cfg = getattr(model, "config", None)
-    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
-        return None
-    get_decoder = getattr(model, "get_decoder", None)
-    decoder = get_decoder() if callable(get_decoder) else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if decoder is None or head is None or decoder is model:
-        return None
-    return decoder, head
+def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    """transformers causal LMs compute logits only at `logits_to_keep` positions (any logit
+    soft-capping included); FSDP wrappers keep the signature."""
+    import inspect
+
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _trim_host_memory() -> None:

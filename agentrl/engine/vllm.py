@@ -9,7 +9,8 @@ say (tests/engine/fake_vllm.py), not against vLLM itself:
   `RequestOutput`s (`output_kind=RequestOutputKind.FINAL_ONLY` yields just the last one), whose
   `.outputs` are `CompletionOutput`s with `token_ids`, `logprobs` (per position a dict
   token id -> `Logprob(logprob=...)`), `finish_reason` ("stop" | "length" | "abort") and
-  `stop_reason`; `abort(request_id)`, `sleep(level)`, `wake_up()`, `reset_prefix_cache()`,
+  `stop_reason` (with `output_kind=RequestOutputKind.DELTA` each output holds only the tokens
+  and logprobs new since the previous one: `generate_stream` uses it); `abort(request_id)`, `sleep(level)`, `wake_up()`, `reset_prefix_cache()`,
   `collective_rpc(method, args=...)`, `shutdown()`.
 - Prompts are `vllm.inputs.TokensPrompt(prompt_token_ids=...)`: never re-tokenized.
 - Logprobs: the engine argument `logprobs_mode` picks "processed_logprobs" (after temperature,
@@ -29,14 +30,15 @@ and `generate` awaits it from any caller loop (the collector, the proxy, `collec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from agentrl.engine.base import NamedTensors
 from agentrl.engine.requests import check_request
-from agentrl.types import Completion, SamplingParams
+from agentrl.types import Completion, CompletionDelta, SamplingParams
 
 if TYPE_CHECKING:
     import numpy as np
@@ -130,16 +132,7 @@ class VLLMEngine:
         request_id: str | None = None,
     ) -> list[Completion]:
         """Sample `params.n` completions; cancelling the caller aborts the vLLM request."""
-        prompt = check_request(
-            prompt_ids, params, vocab_size=self.vocab_size, max_context=self._max_context
-        )
-        if params.logprobs and params.raw_logprobs != self._raw:
-            kind = "raw" if params.raw_logprobs else "processed"
-            raise ValueError(
-                f"this vLLM engine reports {'raw' if self._raw else 'processed'} logprobs "
-                f"(vLLM fixes logprobs_mode per engine); it cannot return {kind} ones. Create "
-                f"the engine with raw_logprobs={params.raw_logprobs}"
-            )
+        prompt = self._check(prompt_ids, params)
         rid = request_id or uuid.uuid4().hex
         fut = asyncio.run_coroutine_threadsafe(
             self._generate(prompt, params, images, rid), self._loop
@@ -151,18 +144,111 @@ class VLLMEngine:
             self.abort(rid)
             raise
 
+    async def generate_stream(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        images: Sequence[np.ndarray] | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> AsyncIterator[CompletionDelta]:
+        """Yield the new tokens of the `params.n` choices as vLLM outputs them (DELTA kind).
+
+        A choice's last delta carries its finish reason. Closing the iterator or cancelling
+        the task iterating it aborts the vLLM request.
+        """
+        prompt = self._check(prompt_ids, params)
+        rid = request_id or uuid.uuid4().hex
+        caller = asyncio.get_running_loop()
+        queue: asyncio.Queue[list[CompletionDelta] | Exception | None] = asyncio.Queue()
+
+        def put(item: list[CompletionDelta] | Exception | None) -> None:
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed
+                caller.call_soon_threadsafe(queue.put_nowait, item)
+
+        fut = asyncio.run_coroutine_threadsafe(
+            self._stream(prompt, params, images, rid, put), self._loop
+        )
+        completed = False
+        try:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                for d in item:
+                    yield d
+            completed = True
+        finally:
+            if not completed:
+                fut.cancel()
+                self.abort(rid)
+
+    def _check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        prompt = check_request(
+            prompt_ids, params, vocab_size=self.vocab_size, max_context=self._max_context
+        )
+        if params.logprobs and params.raw_logprobs != self._raw:
+            kind = "raw" if params.raw_logprobs else "processed"
+            raise ValueError(
+                f"this vLLM engine reports {'raw' if self._raw else 'processed'} logprobs "
+                f"(vLLM fixes logprobs_mode per engine); it cannot return {kind} ones. Create "
+                f"the engine with raw_logprobs={params.raw_logprobs}"
+            )
+        return prompt
+
+    async def _stream(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        images: Any,
+        rid: str,
+        put: Callable[[list[CompletionDelta] | Exception | None], None],
+    ) -> None:
+        """Runs on the vLLM loop: hands each output's deltas to `put`, then None."""
+        from vllm.sampling_params import RequestOutputKind
+
+        version = self._version
+        finished = [False] * params.n
+        try:
+            async for out in self.llm.generate(
+                prompt=self._prompt(prompt, images),
+                sampling_params=self._to_vllm(params, RequestOutputKind.DELTA),
+                request_id=rid,
+            ):
+                deltas = [
+                    _delta(o, params, version)
+                    for o in sorted(out.outputs, key=lambda o: o.index)
+                    if o.token_ids or o.finish_reason is not None
+                ]
+                for d in deltas:
+                    finished[d.index] = finished[d.index] or d.finish_reason is not None
+                put(deltas)
+            # Choices vLLM ended without a finish reason (an abort) end here.
+            empty: list[float] | None = [] if params.logprobs else None
+            put(
+                [
+                    CompletionDelta(index=i, token_ids=[], logprobs=empty,
+                                    finish_reason="abort", policy_version=version)
+                    for i, done in enumerate(finished)
+                    if not done
+                ]
+            )
+        except Exception as e:
+            put(e)  # the caller's iteration raises it
+            raise
+        finally:
+            put(None)
+
     async def _generate(
         self, prompt: list[int], params: SamplingParams, images: Any, rid: str
     ) -> list[Completion]:
-        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
-        inputs: dict[str, Any] = {"prompt_token_ids": prompt}
-        if images:
-            inputs["multi_modal_data"] = {"image": list(images)}
         version = self._version
         final = None
         async for out in self.llm.generate(
-            prompt=TokensPrompt(**inputs), sampling_params=self._to_vllm(params), request_id=rid
+            prompt=self._prompt(prompt, images),
+            sampling_params=self._to_vllm(params, RequestOutputKind.FINAL_ONLY),
+            request_id=rid,
         ):
             final = out
         if final is None:
@@ -175,9 +261,16 @@ class VLLMEngine:
             _completion(o, params, version) for o in sorted(final.outputs, key=lambda o: o.index)
         ]
 
-    def _to_vllm(self, params: SamplingParams) -> Any:
+    def _prompt(self, prompt: list[int], images: Any) -> Any:
+        from vllm.inputs import TokensPrompt
+
+        inputs: dict[str, Any] = {"prompt_token_ids": prompt}
+        if images:
+            inputs["multi_modal_data"] = {"image": list(images)}
+        return TokensPrompt(**inputs)
+
+    def _to_vllm(self, params: SamplingParams, output_kind: Any) -> Any:
         from vllm import SamplingParams as VSamplingParams
-        from vllm.sampling_params import RequestOutputKind
 
         want = max(params.top_logprobs, 0)
         return VSamplingParams(
@@ -190,7 +283,7 @@ class VLLMEngine:
             stop_token_ids=list(params.stop_token_ids) or None,
             seed=params.seed,
             logprobs=want if params.logprobs or want else None,
-            output_kind=RequestOutputKind.FINAL_ONLY,
+            output_kind=output_kind,
         )
 
     def abort(self, request_id: str) -> bool:
@@ -243,7 +336,8 @@ class VLLMEngine:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
 
-def _completion(out: Any, params: SamplingParams, version: int) -> Completion:
+def _tokens(out: Any, params: SamplingParams) -> tuple[list[int], list[float] | None, Any]:
+    """Token ids, their logprobs (if asked for) and top logprobs (if asked for) of an output."""
     ids = [int(t) for t in out.token_ids]
     lps = top = None
     if out.logprobs is not None:
@@ -255,12 +349,36 @@ def _completion(out: Any, params: SamplingParams, version: int) -> Completion:
                 ]
                 for d in out.logprobs
             ]
-    finish = out.finish_reason if out.finish_reason in ("stop", "length", "abort") else "abort"
+    return ids, lps if params.logprobs else None, top
+
+
+def _finish(out: Any) -> Any:
+    if out.finish_reason is None:
+        return None
+    return out.finish_reason if out.finish_reason in ("stop", "length", "abort") else "abort"
+
+
+def _completion(out: Any, params: SamplingParams, version: int) -> Completion:
+    ids, lps, top = _tokens(out, params)
     return Completion(
         token_ids=ids,
-        logprobs=lps if params.logprobs else None,
-        finish_reason=finish,
+        logprobs=lps,
+        finish_reason=_finish(out) or "abort",
         policy_version=version,
         stop_reason=out.stop_reason,
         top_logprobs=top,
+    )
+
+
+def _delta(out: Any, params: SamplingParams, version: int) -> CompletionDelta:
+    ids, lps, top = _tokens(out, params)
+    finish = _finish(out)
+    return CompletionDelta(
+        index=int(out.index),
+        token_ids=ids,
+        logprobs=lps,
+        top_logprobs=top,
+        finish_reason=finish,
+        policy_version=version,
+        stop_reason=out.stop_reason if finish is not None else None,
     )

@@ -3,7 +3,8 @@
 It follows the documented behaviour (docs.vllm.ai: AsyncLLM, SamplingParams, TokensPrompt,
 RequestOutput/CompletionOutput/Logprob, collective_rpc, sleep/wake_up, abort), not vLLM's code:
 `generate` is an async generator of RequestOutputs that must run on the loop that created the
-engine, FINAL_ONLY yields one output, aborted requests finish with "abort", generation while
+engine, FINAL_ONLY yields one output, DELTA outputs hold only the tokens (and logprobs) new since
+the previous output of the request, aborted requests finish with "abort", generation while
 asleep is an error, and collective_rpc calls a method of the worker extension class on the worker.
 
 The "model" is one integer weight w: after token t it emits (t + w) % vocab with logprob
@@ -153,6 +154,7 @@ class AsyncLLM:
             for j in range(sp.n)
         ]
         last = ids[-1]
+        sent = 0  # tokens already handed out (DELTA)
         for _ in range(sp.max_tokens):
             await asyncio.sleep(0)
             if request_id in self.aborted:
@@ -172,11 +174,12 @@ class AsyncLLM:
                     o.finish_reason, o.stop_reason = "stop", tok
                 break
             if sp.output_kind is not RequestOutputKind.FINAL_ONLY:
-                yield RequestOutput(request_id, ids, outs, False)
+                yield RequestOutput(request_id, ids, _view(outs, sp, sent), False)
+                sent = len(outs[0].token_ids)
         else:
             for o in outs:
                 o.finish_reason = "length"
-        yield RequestOutput(request_id, ids, outs, True)
+        yield RequestOutput(request_id, ids, _view(outs, sp, sent), True)
 
     async def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)
@@ -206,6 +209,24 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         self.shut_down = True
+
+
+def _view(outs: list[CompletionOutput], sp: SamplingParams, sent: int) -> list[CompletionOutput]:
+    """What an output holds: everything so far, or with DELTA only what is new since `sent`."""
+    if sp.output_kind is not RequestOutputKind.DELTA:
+        return outs
+    return [
+        CompletionOutput(
+            index=o.index,
+            text="",
+            token_ids=o.token_ids[sent:],
+            cumulative_logprob=None,
+            logprobs=o.logprobs[sent:] if o.logprobs is not None else None,
+            finish_reason=o.finish_reason,
+            stop_reason=o.stop_reason,
+        )
+        for o in outs
+    ]
 
 
 def install(monkeypatch) -> None:

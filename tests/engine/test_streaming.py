@@ -4,6 +4,7 @@ completions, sent while the request runs; closing or cancelling the stream abort
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -18,6 +19,15 @@ def exact_engine(model, tiny_tokenizer):
     eng = TransformersEngine(model, tiny_tokenizer, max_batch_size=8, prefix_cache_bytes=0)
     yield eng
     eng.close()
+
+
+@pytest.fixture
+def slow_model(model):
+    """Each forward pass takes >= 10 ms, so a request of many tokens is surely still running
+    when the consumer gets its first delta, however busy the machine is."""
+    handle = model.register_forward_pre_hook(lambda *_: time.sleep(0.01))
+    yield model
+    handle.remove()
 
 
 async def collect(stream) -> list[CompletionDelta]:
@@ -77,22 +87,25 @@ async def test_stop_string_keeps_tokens_and_names_the_string(exact_engine, tiny_
     assert got.finish_reason == "stop" and got.stop_reason == text[:1]
 
 
-async def test_first_delta_arrives_while_the_request_runs(engine, prompts):
-    params = SamplingParams(temperature=1.0, max_tokens=48, seed=0)
-    stream = engine.generate_stream(prompts[2], params)
+async def test_first_delta_arrives_while_the_request_runs(engine, slow_model, prompts):
+    params = SamplingParams(temperature=1.0, max_tokens=24, seed=0)
+    stream = engine.generate_stream(prompts[2], params, request_id="live")
     first = await anext(stream)
-    running_at_first = engine.num_running
+    registered_at_first = "live" in engine._by_id
+    second = await anext(stream)  # from a decode step: the sample holds a batch slot by now
+    running_at_second = engine.num_running
     rest = await collect(stream)
-    assert first.token_ids and first.finish_reason is None
-    assert running_at_first == 1
-    assert len(rest) >= 1 and rest[-1].finish_reason is not None
+    assert first.token_ids and first.finish_reason is None and second.finish_reason is None
+    assert registered_at_first and running_at_second == 1
+    assert rest and rest[-1].finish_reason is not None
     assert engine.num_running == 0
 
 
-async def test_aclose_mid_stream_aborts_and_frees_the_slot(engine, prompts):
+async def test_aclose_mid_stream_aborts_and_frees_the_slot(engine, slow_model, prompts):
     params = SamplingParams(temperature=1.0, max_tokens=200, n=2, seed=1)
     stream = engine.generate_stream(prompts[1], params)
-    await anext(stream)
+    seen = [await anext(stream) for _ in range(4)]  # prefill's two deltas, then a decode step's
+    assert sorted(d.index for d in seen) == [0, 0, 1, 1]
     assert engine.num_running == 2
     await stream.aclose()
     await wait_idle(engine)
@@ -101,7 +114,7 @@ async def test_aclose_mid_stream_aborts_and_frees_the_slot(engine, prompts):
     assert c.token_ids and c.finish_reason in ("stop", "length")
 
 
-async def test_cancelling_the_consumer_aborts(engine, prompts):
+async def test_cancelling_the_consumer_aborts(engine, slow_model, prompts):
     got: list[CompletionDelta] = []
 
     async def consume() -> None:
@@ -128,7 +141,7 @@ async def test_max_tokens_gives_length_on_last_delta(engine, prompts):
     assert [(d.token_ids, d.finish_reason) for d in empty] == [([], "length")]
 
 
-async def test_abort_by_id_ends_the_stream_with_abort(engine, prompts):
+async def test_abort_by_id_ends_the_stream_with_abort(engine, slow_model, prompts):
     stream = engine.generate_stream(prompts[1], SamplingParams(max_tokens=200, seed=4),
                                     request_id="r1")
     first = await anext(stream)
@@ -142,3 +155,46 @@ async def wait_idle(engine: TransformersEngine, timeout_s: float = 5.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while (engine.num_running or engine._by_id) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.005)
+
+
+# ----------------------------------------------------------------- vLLM backend (fake vLLM)
+
+
+@pytest.fixture
+def vllm_engine(monkeypatch):
+    from agentrl.engine import create_engine
+
+    from . import fake_vllm
+
+    fake_vllm.install(monkeypatch)
+    eng = create_engine("some/model", backend="vllm")
+    yield eng
+    eng.close()
+
+
+async def test_vllm_stream_concatenates_to_generate(vllm_engine):
+    params = SamplingParams(max_tokens=4, n=2, top_logprobs=1)
+    ref = await vllm_engine.generate([5, 6], params)
+    deltas = await collect(vllm_engine.generate_stream([5, 6], params))
+    assert joined(deltas, 2) == ref
+    # DELTA outputs: one token each (the fake ends a `length` choice with an empty delta).
+    assert [len(d.token_ids) for d in deltas if d.token_ids] == [1] * 8
+    stop = SamplingParams(max_tokens=10, stop_token_ids=(8,))
+    [c] = joined(await collect(vllm_engine.generate_stream([5], stop)), 1)
+    assert (c.token_ids, c.finish_reason, c.stop_reason) == ([6, 7, 8], "stop", 8)
+
+
+async def test_vllm_aclose_aborts_the_request(vllm_engine):
+    from . import fake_vllm
+
+    stream = vllm_engine.generate_stream([1], SamplingParams(max_tokens=50), request_id="v1")
+    first = await anext(stream)
+    assert first.token_ids == [2] and first.finish_reason is None
+    await stream.aclose()
+    for _ in range(100):
+        if "v1" in fake_vllm.AsyncLLM.instances[-1].aborted:
+            break
+        await asyncio.sleep(0.01)
+    assert "v1" in fake_vllm.AsyncLLM.instances[-1].aborted
+    [c] = await vllm_engine.generate([1], SamplingParams(max_tokens=1))
+    assert c.token_ids == [2]
