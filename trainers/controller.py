@@ -9,6 +9,7 @@ sampled ahead of training, each turn recording the policy version it was sampled
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import deque
@@ -141,7 +142,7 @@ class Trainer:
         if cfg.resume:
             self._resume(cfg.resume)
         log = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard, total_steps=cfg.steps,
-                            progress=cfg.progress)
+                            progress=cfg.progress, config=json.loads(cfg.to_json()))
         summary: dict[str, Any] = {"run_dir": str(self.run_dir)}
         try:
             if cfg.eval_problems and self.step == 0:

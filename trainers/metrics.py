@@ -1,17 +1,22 @@
-"""Metrics: a JSON-lines file always, TensorBoard when available, a progress bar on stderr."""
+"""Metrics: a JSON-lines file always, TensorBoard when available, Weights & Biases when a key is
+given (WANDB_API_KEY, or `wandb login`'s WANDB_MODE), a progress bar on stderr."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, total_steps: int = 0,
-                 progress: bool = True) -> None:
+                 progress: bool = True, config: dict | None = None) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a")
@@ -23,6 +28,7 @@ class MetricsLogger:
                 self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
             except ImportError:  # tensorboard is optional at run time
                 self._tb = None
+        self._wandb = _start_wandb(Path(run_dir), config or {})
         self._bar = None
         if progress:
             from tqdm import tqdm
@@ -38,6 +44,9 @@ class MetricsLogger:
             for k, v in clean.items():
                 if isinstance(v, int | float):
                     self._tb.add_scalar(k.replace("@", "_at_"), v, step)
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in clean.items() if isinstance(v, int | float)},
+                            step=step)
 
     def progress(self, step: int, metrics: dict[str, Any]) -> None:
         if self._bar is None:
@@ -53,6 +62,22 @@ class MetricsLogger:
             self._tb.close()
         if self._bar is not None:
             self._bar.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _start_wandb(run_dir: Path, config: dict) -> Any:
+    """A W&B run when WANDB_API_KEY is set; a warning (not a crash) if wandb is missing."""
+    if not os.environ.get("WANDB_API_KEY"):
+        return None
+    try:
+        import wandb
+    except ImportError:
+        logger.warning("WANDB_API_KEY is set but wandb is not installed (pip install wandb); "
+                       "metrics go to metrics.jsonl and TensorBoard only")
+        return None
+    return wandb.init(project=os.environ.get("WANDB_PROJECT", "agentrl"), name=run_dir.name,
+                      dir=str(run_dir), config=config)
 
 
 def _num(v: Any) -> Any:
