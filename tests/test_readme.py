@@ -12,7 +12,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 def _example(name: str) -> str:
     text = README.read_text()
-    m = re.search(rf"<!-- example: {name} .*?-->\s*```python\n(.*?)```", text, re.S)
+    m = re.search(rf"<!-- example: {name} .*?-->\s*```python\n(.*?)```", text, re.DOTALL)
     assert m, f"README has no example named {name!r}"
     return m.group(1)
 

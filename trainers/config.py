@@ -210,11 +210,14 @@ class TrainConfig:
     """Sequences per forward/backward (gradient accumulation; does not change the result)."""
     packing: bool = True
     """Pack each micro-batch's sequences into one row (no padding); False pads instead."""
-    backend: Literal["local", "fsdp2"] = "local"
-    """Training backend: local (one process) or fsdp2 (parameters, gradients and optimizer
-    state sharded over --num_policy_workers Ray actors; needs --rollout.mode placed)."""
+    backend: Literal["local", "fsdp2", "deepspeed"] = "local"
+    """Training backend: local (one process); fsdp2 (parameters, gradients and optimizer state
+    sharded over --num_policy_workers Ray actors); deepspeed (ZeRO --zero_stage 1 or 2). The
+    distributed ones need --rollout.mode placed."""
     num_policy_workers: int = 1
-    """Data-parallel policy workers (ranks) for --backend fsdp2."""
+    """Data-parallel policy workers (ranks) for --backend fsdp2 / deepspeed."""
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage (1: optimizer state, 2: + gradients partitioned)."""
     use_ray: bool = True
     """Run the policy/rollout workers as Ray actors (False: in this process, for debugging)."""
     seed: int = 0
@@ -259,21 +262,23 @@ class TrainConfig:
             raise ValueError("--micro_batch_size and --epochs_per_step must be >= 1, --steps >= 0")
         if self.eval_samples < 1:
             raise ValueError("--eval_samples must be >= 1")
-        if self.backend == "fsdp2":
+        if self.backend != "local":
             if not self.use_ray or ro.mode != "placed":
                 raise ValueError(
-                    "--backend fsdp2 runs ranks as Ray actors beside a separate rollout actor: "
-                    "set --use_ray true and --rollout.mode placed"
+                    f"--backend {self.backend} runs ranks as Ray actors beside a separate "
+                    f"rollout actor: set --use_ray true and --rollout.mode placed"
                 )
             if self.algo.estimator == "gae":
-                raise ValueError("--backend fsdp2 does not support the critic (gae) yet")
+                raise ValueError(f"--backend {self.backend} does not support the critic (gae) yet")
+            if self.backend == "deepspeed" and self.zero_stage not in (1, 2):
+                raise ValueError(f"--zero_stage must be 1 or 2, got {self.zero_stage}")
             if batch % (self.num_policy_workers * self.minibatches_per_step):
                 raise ValueError(
                     f"--num_policy_workers {self.num_policy_workers} x --minibatches_per_step "
                     f"{self.minibatches_per_step} must divide the rollout batch ({batch})"
                 )
         elif self.num_policy_workers != 1:
-            raise ValueError("--num_policy_workers > 1 needs --backend fsdp2")
+            raise ValueError("--num_policy_workers > 1 needs --backend fsdp2 or deepspeed")
         if self.agent and not (self.agent_tasks and self.agent_reward):
             raise ValueError("--agent needs --agent_tasks FILE.jsonl and --agent_reward module:fn")
 

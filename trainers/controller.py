@@ -110,7 +110,7 @@ class Trainer:
             from trainers.ray_utils import init_ray
 
             init_ray()
-            if cfg.backend == "fsdp2":
+            if cfg.backend != "local":
                 addr = _free_tcp_address()
                 ranks = [
                     ray.remote(PolicyWorker).options(num_cpus=0).remote(

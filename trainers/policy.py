@@ -54,6 +54,12 @@ class PolicyWorker:
             betas=cfg.actor.betas,
             weight_decay=cfg.actor.weight_decay,
         )
+        self.ds: Any = None
+        if cfg.backend == "deepspeed":
+            from trainers import zero
+
+            assert dist_addr is not None and not with_engine
+            self.ds = zero.initialize(self.model, self.optimizer, cfg, rank, world_size, dist_addr)
         warmup = cfg.actor.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
@@ -235,7 +241,9 @@ class PolicyWorker:
         num_tokens, num_seqs = fsdp.all_sum([float(batch.mask[sel].sum()), float(len(rows))])
         world = fsdp.world()
         totals = {"loss": 0.0, "entropy": 0.0, "clip_ratio": 0.0, "mismatch": 0.0}
-        self.optimizer.zero_grad(set_to_none=True)
+        micro = 0
+        if self.ds is None:
+            self.optimizer.zero_grad(set_to_none=True)
         for idx, n in batch.micro_batches(length_sorted(batch, rows), cfg.micro_batch_size):
             mask = batch.rows("mask", idx, n)
             logp, ent = self._forward(self.model, batch, idx, n, entropy=True)
@@ -272,11 +280,18 @@ class PolicyWorker:
             # Decided together, so that no rank waits in a collective another rank skipped.
             (bad,) = fsdp.all_sum([0.0 if math.isfinite(float(loss.detach())) else 1.0])
             if bad:
-                self.optimizer.zero_grad(set_to_none=True)
+                self._drop_gradients(micro)
                 raise NonFiniteLossError(
                     f"non-finite policy loss {float(loss.detach())} at version {self.version}"
                 )
-            (loss * world).backward()
+            if self.ds is not None:
+                # DeepSpeed divides by its accumulation steps and averages over ranks; undo both
+                # so the global-count normalisation above is the only one.
+                self.ds.backward(loss * world * self.ds.gradient_accumulation_steps())
+                self.ds.step()  # steps (clip, update, zero) only at the accumulation boundary
+            else:
+                (loss * world).backward()
+            micro += 1
             w = float(mask.sum()) / max(num_tokens, 1.0)
             totals["loss"] += float(loss.detach())
             totals["entropy"] += float(A.masked_mean(ent.detach(), mask)) * w
@@ -284,17 +299,32 @@ class PolicyWorker:
             totals["mismatch"] += float(A.logprob_mismatch(logp.detach(), rollout, mask)) * w
         keys = list(totals)
         totals = dict(zip(keys, fsdp.all_sum([totals[k] for k in keys]), strict=True))
-        if cfg.actor.max_grad_norm > 0:
-            totals["grad_norm"] = fsdp.full_norm(
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.actor.max_grad_norm)
-            )
-        self.optimizer.step()
+        if self.ds is not None:
+            norm = self.ds.get_global_grad_norm()
+            totals["grad_norm"] = float(norm) if norm is not None else 0.0
+        else:
+            if cfg.actor.max_grad_norm > 0:
+                totals["grad_norm"] = fsdp.full_norm(
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.actor.max_grad_norm)
+                )
+            self.optimizer.step()
+            # Gradients are not needed until the next backward; free them for the rollout.
+            self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        # Gradients are not needed until the next backward; free them for the rollout.
-        self.optimizer.zero_grad(set_to_none=True)
         if self.critic is not None:
             totals["value_loss"] = self._critic_step(batch, rows, num_tokens)
         return totals
+
+    def _drop_gradients(self, micro_done: int) -> None:
+        """Forget a skipped step's partial gradients (and, under DeepSpeed, realign its
+        accumulation counter so the next step's boundary falls where ours does)."""
+        if self.ds is None:
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        self.ds.zero_grad()
+        gas = self.ds.gradient_accumulation_steps()
+        if micro_done % gas:
+            self.ds.micro_steps += gas - micro_done % gas
 
     def _critic_step(self, batch: RolloutBatch, rows: list[int], num_tokens: float) -> float:
         assert self.critic is not None and self.critic_opt is not None
@@ -336,11 +366,15 @@ class PolicyWorker:
             self.model.train()
 
     # ------------------------------------------------------------------ state
-    def _model_and_optim_state(self) -> tuple[dict, dict]:
-        if self.sharded:
-            from trainers import fsdp
+    def _model_and_optim_state(self) -> tuple[dict, Any]:
+        from trainers import fsdp
 
+        if self.sharded:
             return fsdp.full_state(self.model, self.optimizer)
+        if self.ds is not None:
+            # ZeRO partitions optimizer state by rank: keep every rank's part (same world size
+            # to resume), as DeepSpeed's own load_state_dict expects.
+            return self.model.state_dict(), fsdp.gather_objects(self.ds.optimizer.state_dict())
         return self.model.state_dict(), self.optimizer.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
@@ -363,6 +397,9 @@ class PolicyWorker:
             from trainers import fsdp
 
             fsdp.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
+        elif self.ds is not None:
+            self.model.load_state_dict(state["model"])
+            self.ds.optimizer.load_state_dict(state["optimizer"], load_from_fp32_weights=False)
         else:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])

@@ -67,7 +67,7 @@ def embedded_dir() -> Path:
 
 
 @contextlib.contextmanager
-def _flock(f):  # noqa: ANN001, ANN202 - tiny internal helper
+def _flock(f):
     fcntl.flock(f, fcntl.LOCK_EX)
     try:
         yield

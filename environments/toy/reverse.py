@@ -7,10 +7,7 @@ from typing import Any
 from agentrl.envs import ChatEnv
 from agentrl.envs.chat import StepResult
 
-WORDS = (
-    "cat dog sun map pen cup hat box red top bus egg fox ice jam key leg net owl pig "
-    "rat sky toy van web yes zoo ant bee cow"
-).split()
+WORDS = ["cat", "dog", "sun", "map", "pen", "cup", "hat", "box", "red", "top", "bus", "egg", "fox", "ice", "jam", "key", "leg", "net", "owl", "pig", "rat", "sky", "toy", "van", "web", "yes", "zoo", "ant", "bee", "cow"]
 
 
 class ReverseEnv(ChatEnv):

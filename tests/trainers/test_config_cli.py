@@ -24,7 +24,7 @@ from trainers.config import TrainConfig, config_from_dict
     ],
 )
 def test_conflicting_flags_fail_before_loading(argv, match, monkeypatch):
-    import agentrl.models as models
+    from agentrl import models
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model was loaded"))
     with pytest.raises(ValueError, match=match):
@@ -55,4 +55,4 @@ def test_unknown_config_key_says_did_you_mean():
 def test_default_is_math_tir_preset():
     cfg = build_config([])
     assert cfg.env == "math-tir" and cfg.actor.model == "smollm2-135m-instruct"
-    assert cfg.eval_problems > 0 and cfg == TrainConfig(**{**cfg.__dict__})
+    assert cfg.eval_problems > 0 and cfg == TrainConfig(**cfg.__dict__)

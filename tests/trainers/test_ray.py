@@ -93,3 +93,32 @@ def test_fsdp2_two_ranks_match_one_process(ray_cluster, make_cfg, recorded_rollo
     assert state["model"].keys() == want.keys()
     trainer.policy.call("export_hf", str(tmp_path / "hf"))
     assert (tmp_path / "hf" / "config.json").exists()
+
+
+@pytest.mark.parametrize("stage", [2])
+def test_deepspeed_zero_two_ranks_match_one_process(ray_cluster, make_cfg, recorded_rollouts,
+                                                    tmp_path, stage):
+    pytest.importorskip("deepspeed")
+    import torch
+
+    from agentrl.types import load_jsonl
+    from trainers.policy import PolicyWorker
+
+    trajs = load_jsonl(recorded_rollouts)[:32]
+    local = PolicyWorker(make_cfg(micro_batch_size=8), with_engine=False)
+    local_metrics = local.train(trajs, 0.0)
+    want = local.named_weights()
+
+    cfg = make_cfg(use_ray=True, backend="deepspeed", zero_stage=stage, num_policy_workers=2,
+                   micro_batch_size=8, rollout={"mode": "placed"}, run_dir=str(tmp_path / "ds"))
+    trainer = Trainer(cfg)
+    trainer._start_workers()
+    metrics = trainer.policy.call("train", trajs, 0.0)
+    got = trainer.policy.call("named_weights")
+    assert metrics["loss"] == pytest.approx(local_metrics["loss"], rel=1e-4, abs=1e-6)
+    assert metrics["grad_norm"] == pytest.approx(local_metrics["grad_norm"], rel=1e-3)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4)
+    state = trainer.policy.call("state_dict")
+    assert len(state["optimizer"]) == 2  # one ZeRO partition per rank
+    trainer.policy.call("load_state_dict", state)
