@@ -9,7 +9,10 @@ import sys
 # name -> ("module:function", one-line help). Functions take argv (list[str]) and return an
 # exit code.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("trainers.cli:main", "run RL training on an environment (agentrl train --env math-tir)"),
+    "train": (
+        "trainers.cli:main",
+        "run RL training on an environment (agentrl train --env math-tir)",
+    ),
     "eval": ("agentrl.rollout.evaluate:main", "evaluate a model on an environment: pass@1, pass@k"),
     "rollout": ("agentrl.rollout.cli:main", "sample trajectories from an env and write JSON lines"),
     "serve": ("servers.cli:main", "serve a model through the recording OpenAI-compatible proxy"),

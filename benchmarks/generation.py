@@ -22,12 +22,22 @@ import sys
 import time
 
 QUESTIONS = [
-    "What is 2+3?", "What is 7*6?", "Name a primary color.", "What is the capital of France?",
-    "What is 10-4?", "Spell the word cat backwards.", "What is 9+10?",
-    "How many legs does a dog have?", "Write a haiku about the sea.",
-    "Explain what a prime number is.", "Give me three tips for sleeping well.",
-    "What is the boiling point of water?", "Tell me a short story about a robot.",
-    "Why is the sky blue?", "List four fruits.", "What does a CPU do?",
+    "What is 2+3?",
+    "What is 7*6?",
+    "Name a primary color.",
+    "What is the capital of France?",
+    "What is 10-4?",
+    "Spell the word cat backwards.",
+    "What is 9+10?",
+    "How many legs does a dog have?",
+    "Write a haiku about the sea.",
+    "Explain what a prime number is.",
+    "Give me three tips for sleeping well.",
+    "What is the boiling point of water?",
+    "Tell me a short story about a robot.",
+    "Why is the sky blue?",
+    "List four fruits.",
+    "What does a CPU do?",
 ]
 
 
@@ -58,7 +68,9 @@ def run_engine(model, tok, prompts, args) -> dict:
     engine = TransformersEngine(
         model, tok, max_batch_size=args.max_batch_size, device=args.device, seed=0
     )
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, n=args.samples)
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, n=args.samples
+    )
 
     async def go(ps):
         return await asyncio.gather(*(engine.generate(p, params) for p in ps))
@@ -86,13 +98,18 @@ def run_baseline(model, tok, prompts, args) -> dict:
         ids = torch.full((len(chunk), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(chunk):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         with torch.no_grad():
             out = model.generate(
-                input_ids=ids.to(args.device), attention_mask=mask.to(args.device),
-                do_sample=args.temperature > 0, temperature=args.temperature or None,
-                top_p=1.0, top_k=0, max_new_tokens=args.max_tokens, pad_token_id=pad,
+                input_ids=ids.to(args.device),
+                attention_mask=mask.to(args.device),
+                do_sample=args.temperature > 0,
+                temperature=args.temperature or None,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=args.max_tokens,
+                pad_token_id=pad,
             )
         return out[:, width:].tolist()
 
@@ -132,7 +149,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--max-batch-size", type=int, default=64, help="engine slots")
-    ap.add_argument("--baseline-batch", type=int, default=0, help="rows per generate call (0 = all)")
+    ap.add_argument(
+        "--baseline-batch", type=int, default=0, help="rows per generate call (0 = all)"
+    )
     ap.add_argument("--child", choices=["engine", "baseline"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

@@ -2,7 +2,8 @@
 
 The work (from the issue): SmolLM2-135M-Instruct (the embedded model, fp32, CPU), 8 chat
 prompts, 2 prompts per step x 4 generations, at most 32 new tokens, lr 1e-6, beta 0,
-temperature 1, reward -|20 - len(completion)| / 20, gradient checkpointing on both sides. Each side runs in its own subprocess so
+temperature 1, reward -|20 - len(completion)| / 20, gradient checkpointing on both sides.
+Each side runs in its own subprocess so
 peak RSS is its own. Per-step time is the median over steps after the first (warm-up).
 
     .venv/bin/pip install -e ".[bench]"     # TRL 1.16 (not part of the default set-up)
@@ -21,8 +22,13 @@ import sys
 import time
 
 PROMPTS = [
-    "What is 2+3?", "What is 7*6?", "Name a primary color.", "What is the capital of France?",
-    "What is 10-4?", "Spell the word cat backwards.", "What is 9+10?",
+    "What is 2+3?",
+    "What is 7*6?",
+    "Name a primary color.",
+    "What is the capital of France?",
+    "What is 10-4?",
+    "Spell the word cat backwards.",
+    "What is 9+10?",
     "How many legs does a dog have?",
 ]
 
@@ -37,7 +43,8 @@ def run_agentrl(steps: int, use_ray: bool) -> dict:
     from trainers.controller import Trainer
 
     agentrl.register(
-        "bench/LengthReward-v0", agentrl.RewardEnv,
+        "bench/LengthReward-v0",
+        agentrl.RewardEnv,
         dataset=[{"prompt": p} for p in PROMPTS],
         reward_fn=lambda prompt, response, label: length_reward(response),
     )
@@ -47,10 +54,16 @@ def run_agentrl(steps: int, use_ray: bool) -> dict:
         # Same memory/compute trade as the TRL config below (gradient_checkpointing=True).
         actor=ActorConfig(model="smollm2-135m-instruct", lr=1e-6, gradient_checkpointing=True),
         algo=AlgoConfig(estimator="group_norm", kl_coef=0.0),
-        rollout=RolloutConfig(n_samples_per_prompt=4, prompts_per_step=2, max_new_tokens=32,
-                              temperature=1.0),
-        steps=steps, micro_batch_size=8, use_ray=use_ray, run_dir=run_dir,
-        progress=False, tensorboard=False, seed=42,
+        rollout=RolloutConfig(
+            n_samples_per_prompt=4, prompts_per_step=2, max_new_tokens=32, temperature=1.0
+        ),
+        steps=steps,
+        micro_batch_size=8,
+        use_ray=use_ray,
+        run_dir=run_dir,
+        progress=False,
+        tensorboard=False,
+        seed=42,
     )
     t0 = time.perf_counter()
     Trainer(cfg).run()
@@ -85,14 +98,33 @@ def run_trl(steps: int) -> dict:
             times.append(time.perf_counter() - self.t)
 
     cfg = GRPOConfig(
-        output_dir=f"/tmp/trl-bench-{os.getpid()}", per_device_train_batch_size=8,
-        gradient_accumulation_steps=1, num_generations=4, max_completion_length=32,
-        max_steps=steps, learning_rate=1e-6, beta=0.0, temperature=1.0, seed=42,
-        use_vllm=False, bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=True,
-        logging_steps=1, report_to="none", save_strategy="no",
+        output_dir=f"/tmp/trl-bench-{os.getpid()}",
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+        num_generations=4,
+        max_completion_length=32,
+        max_steps=steps,
+        learning_rate=1e-6,
+        beta=0.0,
+        temperature=1.0,
+        seed=42,
+        use_vllm=False,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        gradient_checkpointing=True,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data,
-                          processing_class=tok, callbacks=[Timer()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=cfg,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[Timer()],
+    )
     t0 = time.perf_counter()
     trainer.train()
     return {"step_times": times, "total_s": time.perf_counter() - t0}
@@ -123,7 +155,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--child", choices=["agentrl", "trl"])
-    p.add_argument("--ray", action="store_true", help="agentrl with Ray actors (RSS not comparable)")
+    p.add_argument(
+        "--ray", action="store_true", help="agentrl with Ray actors (RSS not comparable)"
+    )
     args = p.parse_args()
     if args.child:
         _child(args.child, args.steps, args.ray)
@@ -134,10 +168,14 @@ def main() -> None:
     for name, r in res.items():
         med[name] = statistics.median(r["step_times"][1:] or r["step_times"])
         steps_s = ", ".join(f"{t:.2f}" for t in r["step_times"])
-        print(f"{name:8s} median {med[name]:6.2f} s/step  peak RSS {r['peak_rss_mb']:7.0f} MB"
-              f"  steps [{steps_s}]")
-    print(f"speedup agentrl vs TRL: {med['trl'] / med['agentrl']:.2f}x per step; "
-          f"memory ratio agentrl/TRL: {res['agentrl']['peak_rss_mb'] / res['trl']['peak_rss_mb']:.2f}")
+        print(
+            f"{name:8s} median {med[name]:6.2f} s/step  peak RSS {r['peak_rss_mb']:7.0f} MB"
+            f"  steps [{steps_s}]"
+        )
+    print(
+        f"speedup agentrl vs TRL: {med['trl'] / med['agentrl']:.2f}x per step; "
+        f"memory ratio agentrl/TRL: {res['agentrl']['peak_rss_mb'] / res['trl']['peak_rss_mb']:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,12 @@ def _serve(port: int, engine_kind: str, latency: float, token_latency: float) ->
         engine = create_engine("embedded", tokenizer=tok)
     else:
         tok = load_tokenizer("tiny")
-        engine = StreamingFakeEngine(tok, latency_s=latency, token_latency_s=token_latency,
-                                     reply=lambda p, _i: "reply " + p.split("session ")[-1].split("<")[0])
+        engine = StreamingFakeEngine(
+            tok,
+            latency_s=latency,
+            token_latency_s=token_latency,
+            reply=lambda p, _i: "reply " + p.split("session ")[-1].split("<")[0],
+        )
     app = create_app(engine, tok, config=ProxyConfig(model_name="m"))
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
@@ -62,13 +66,16 @@ class Conn:
         data = json.dumps(body).encode()
         self.writer.write(
             f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n".encode() + data
+            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
         )
         assert self.reader is not None
         head = await self.reader.readuntil(b"\r\n\r\n")
         lines = head.decode().split("\r\n")
         status = int(lines[0].split()[1])
-        headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+        headers = {
+            k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)
+        }
         if "content-length" in headers:
             return status, await self.reader.readexactly(int(headers["content-length"]))
         chunks = []
@@ -121,8 +128,12 @@ async def _load(
     async def session(i: int) -> None:
         nonlocal mixed, errors
         conn = Conn(port)
-        body = {"model": "m", "stream": stream, "max_tokens": 32,
-                "messages": [{"role": "user", "content": f"session {tag}{i}"}]}
+        body = {
+            "model": "m",
+            "stream": stream,
+            "max_tokens": 32,
+            "messages": [{"role": "user", "content": f"session {tag}{i}"}],
+        }
         # Agents do not fire in lockstep: spread session starts over one engine latency, so
         # the steady state has requests arriving independently (stagger=0 is a burst test).
         await asyncio.sleep(stagger * i / sessions)
@@ -137,7 +148,8 @@ async def _load(
                 if stream:
                     text = "".join(
                         json.loads(b[6:])["choices"][0]["delta"].get("content") or ""
-                        for b in data.split(b"\n\n") if b.startswith(b"data: {")
+                        for b in data.split(b"\n\n")
+                        if b.startswith(b"data: {")
                     )
                 else:
                     text = json.loads(data)["choices"][0]["message"]["content"]
@@ -154,8 +166,19 @@ async def _load(
 
 def _start(port: int, kind: str, latency: float, token_latency: float) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--serve", "--port", str(port), "--engine", kind,
-         "--latency", str(latency), "--token-latency", str(token_latency)],
+        [
+            sys.executable,
+            __file__,
+            "--serve",
+            "--port",
+            str(port),
+            "--engine",
+            kind,
+            "--latency",
+            str(latency),
+            "--token-latency",
+            str(token_latency),
+        ],
         cwd=ROOT,
     )
     import urllib.request
@@ -172,9 +195,11 @@ def _start(port: int, kind: str, latency: float, token_latency: float) -> subpro
 
 def _row(name: str, r: dict, base_p50: float, base_p99: float) -> str:
     p50, p99 = _pct(r["lat"], 0.5), _pct(r["lat"], 0.99)
-    return (f"| {name} | {r['requests']} | {p50 * 1e3:.2f} | {p99 * 1e3:.2f} | "
-            f"{(p50 - base_p50) * 1e3:.2f} | {(p99 - base_p99) * 1e3:.2f} | "
-            f"{r['requests'] / r['wall']:.0f} | {r['errors']} | {r['mixed']} |")
+    return (
+        f"| {name} | {r['requests']} | {p50 * 1e3:.2f} | {p99 * 1e3:.2f} | "
+        f"{(p50 - base_p50) * 1e3:.2f} | {(p99 - base_p99) * 1e3:.2f} | "
+        f"{r['requests'] / r['wall']:.0f} | {r['errors']} | {r['mixed']} |"
+    )
 
 
 def main() -> None:
@@ -198,20 +223,27 @@ def main() -> None:
         return
     direct = asyncio.run(_direct(args.latency, args.requests, args.sessions))
     b50, b99 = _pct(direct, 0.5), _pct(direct, 0.99)
-    print(f"# proxy overhead ({platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, Python {platform.python_version()})")
-    print(f"engine alone: p50 {b50 * 1e3:.2f} ms, p99 {b99 * 1e3:.2f} ms "
-          f"(fake, fixed latency {args.latency * 1e3:.0f} ms, {args.sessions} concurrent)\n")
-    print("| load | requests | p50 ms | p99 ms | added p50 ms | added p99 ms | req/s | errors "
-          "| mixed |")
+    print(
+        f"# proxy overhead ({platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs, Python {platform.python_version()})"
+    )
+    print(
+        f"engine alone: p50 {b50 * 1e3:.2f} ms, p99 {b99 * 1e3:.2f} ms "
+        f"(fake, fixed latency {args.latency * 1e3:.0f} ms, {args.sessions} concurrent)\n"
+    )
+    print(
+        "| load | requests | p50 ms | p99 ms | added p50 ms | added p99 ms | req/s | errors "
+        "| mixed |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     proc = _start(args.port, "fake", args.latency, args.token_latency)
     try:
         asyncio.run(_load(args.port, 4, 5, False, "fake"))  # warm up
         for stagger, label in ((args.latency, "staggered"), (0.0, "lockstep burst")):
             for stream in (False, True):
-                r = asyncio.run(_load(args.port, args.sessions, args.requests, stream, "fake",
-                                      stagger))
+                r = asyncio.run(
+                    _load(args.port, args.sessions, args.requests, stream, "fake", stagger)
+                )
                 kind = "stream" if stream else "non-stream"
                 print(_row(f"{args.sessions} sessions, {kind}, {label}", r, b50, b99), flush=True)
         r = asyncio.run(_load(args.port, 256, 4, True, "fake", args.latency))
@@ -234,9 +266,12 @@ def _real(port: int) -> None:
             r = asyncio.run(_load(port, sessions, 2, stream, "real"))
             lat = r["lat"]
             kind = "stream" if stream else "non-stream"
-            print(f"| {sessions} sessions, {kind} | {r['requests']} | {_pct(lat, 0.5) * 1e3:.0f} "
-                  f"| {_pct(lat, 0.99) * 1e3:.0f} | {r['requests'] / r['wall']:.1f} "
-                  f"| {r['errors']} |", flush=True)
+            print(
+                f"| {sessions} sessions, {kind} | {r['requests']} | {_pct(lat, 0.5) * 1e3:.0f} "
+                f"| {_pct(lat, 0.99) * 1e3:.0f} | {r['requests'] / r['wall']:.1f} "
+                f"| {r['errors']} |",
+                flush=True,
+            )
     finally:
         proc.terminate()
         proc.wait()

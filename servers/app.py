@@ -102,7 +102,11 @@ async def tokenize(request: Request) -> JSONResponse:
     else:
         rendered = state.renderer.render_text(req.prompt or "")
     return JSONResponse(
-        {"tokens": rendered.ids, "count": len(rendered.ids), "max_model_len": state.engine.max_context}
+        {
+            "tokens": rendered.ids,
+            "count": len(rendered.ids),
+            "max_model_len": state.engine.max_context,
+        }
     )
 
 
@@ -115,7 +119,8 @@ async def detokenize(request: Request) -> JSONResponse:
     vocab = len(state.tokenizer)  # type: ignore[arg-type]
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
-        raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
-                       param="tokens")
+        raise APIError(
+            400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens"
+        )
     text = state.tokenizer.decode(req.tokens, skip_special_tokens=False)
     return JSONResponse({"prompt": text})

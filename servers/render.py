@@ -65,8 +65,11 @@ class ChatRenderer:
                     "role": "assistant",
                     "content": None,
                     "tool_calls": [
-                        {"id": "c", "type": "function",
-                         "function": {"name": _PROBE, "arguments": {}}}
+                        {
+                            "id": "c",
+                            "type": "function",
+                            "function": {"name": _PROBE, "arguments": {}},
+                        }
                     ],
                 },
             ]
@@ -105,7 +108,8 @@ class ChatRenderer:
             )
         except Exception as e:
             raise APIError(
-                400, f"the model's chat template cannot render these messages: {e}",
+                400,
+                f"the model's chat template cannot render these messages: {e}",
                 param="messages",
             ) from e
         return self._encode(str(text), images)
@@ -204,8 +208,9 @@ class ChatRenderer:
             img = PILImage.open(io.BytesIO(base64.b64decode(data, validate=True)))
             return np.asarray(img.convert("RGB"), dtype=np.uint8)
         except (binascii.Error, ValueError, OSError) as e:
-            raise APIError(400, f"image_url data could not be decoded as an image: {e}",
-                           param="messages") from e
+            raise APIError(
+                400, f"image_url data could not be decoded as an image: {e}", param="messages"
+            ) from e
 
 
 def _call_dict(call: object) -> dict:
@@ -229,7 +234,9 @@ def _hermes_call_text(call: dict) -> str:
     fn = call["function"]
     args = fn["arguments"]
     args_text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    return f'<tool_call>\n{{"name": {json.dumps(fn["name"])}, "arguments": {args_text}}}\n</tool_call>'
+    return (
+        f'<tool_call>\n{{"name": {json.dumps(fn["name"])}, "arguments": {args_text}}}\n</tool_call>'
+    )
 
 
 def _fold_tools(messages: list[dict], tools: list[dict]) -> list[dict]:

@@ -71,8 +71,10 @@ class _Group:
         if method == "train":
             trajs, rest = args[0], args[1:]
             k = len(trajs) // len(self.actors)
-            futures = [getattr(a, method).remote(trajs[i * k : (i + 1) * k], *rest)
-                       for i, a in enumerate(self.actors)]
+            futures = [
+                getattr(a, method).remote(trajs[i * k : (i + 1) * k], *rest)
+                for i, a in enumerate(self.actors)
+            ]
         else:
             futures = [getattr(a, method).remote(*args) for a in self.actors]
         try:
@@ -113,15 +115,22 @@ class Trainer:
             if cfg.backend != "local":
                 addr = _free_tcp_address()
                 ranks = [
-                    ray.remote(PolicyWorker).options(num_cpus=0).remote(
-                        cfg, with_engine=False, rank=r, world_size=cfg.num_policy_workers,
+                    ray.remote(PolicyWorker)
+                    .options(num_cpus=0)
+                    .remote(
+                        cfg,
+                        with_engine=False,
+                        rank=r,
+                        world_size=cfg.num_policy_workers,
                         dist_addr=addr,
                     )
                     for r in range(cfg.num_policy_workers)
                 ]
                 self.policy = _Group(ranks)  # type: ignore[assignment]
             else:
-                policy = ray.remote(PolicyWorker).options(num_cpus=0).remote(cfg, with_engine=engine)
+                policy = (
+                    ray.remote(PolicyWorker).options(num_cpus=0).remote(cfg, with_engine=engine)
+                )
                 self.policy = _Handle(policy, True)
             if placed and cfg.replay is None:
                 worker = ray.remote(RolloutWorker).options(num_cpus=0).remote(cfg)
@@ -141,8 +150,13 @@ class Trainer:
         self._start_workers()
         if cfg.resume:
             self._resume(cfg.resume)
-        log = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard, total_steps=cfg.steps,
-                            progress=cfg.progress, config=json.loads(cfg.to_json()))
+        log = MetricsLogger(
+            self.run_dir,
+            tensorboard=cfg.tensorboard,
+            total_steps=cfg.steps,
+            progress=cfg.progress,
+            config=json.loads(cfg.to_json()),
+        )
         summary: dict[str, Any] = {"run_dir": str(self.run_dir)}
         try:
             if cfg.eval_problems and self.step == 0:
@@ -182,15 +196,19 @@ class Trainer:
             from agentrl.algorithms import adaptive_kl_coef
 
             self.kl_coef = adaptive_kl_coef(
-                self.kl_coef, metrics["kl"], target=self.cfg.algo.kl_target,
-                horizon=self.cfg.algo.kl_horizon, n_steps=len(trajs),
+                self.kl_coef,
+                metrics["kl"],
+                target=self.cfg.algo.kl_target,
+                horizon=self.cfg.algo.kl_horizon,
+                n_steps=len(trajs),
             )
         metrics.update(_rollout_metrics(trajs))
         versions = [v for t in trajs for v in t.policy_versions]
         # How many updates behind the policy the sampled tokens are (0 when on-policy).
         metrics["policy_lag"] = float(self.step - 1 - min(versions)) if versions else 0.0
-        metrics.update(kl_coef=self.kl_coef, time_rollout=t_rollout,
-                       time_step=time.perf_counter() - t0)
+        metrics.update(
+            kl_coef=self.kl_coef, time_rollout=t_rollout, time_step=time.perf_counter() - t0
+        )
         gen = sum(t.num_policy_tokens for t in trajs)
         metrics["tokens_per_s"] = gen / t_rollout if t_rollout > 0 else 0.0
         return metrics
@@ -276,8 +294,13 @@ class Trainer:
         rewards = torch.tensor([t.turns[-1].reward if t.turns else 0.0 for t in trajs])
         if algo.overlong_buffer:
             lengths = torch.tensor([t.turns[-1].end - t.turns[-1].start for t in trajs])
-            rewards = overlong_penalty(rewards, lengths, max_new_tokens=self.cfg.rollout.max_new_tokens,
-                                       buffer=algo.overlong_buffer, factor=algo.overlong_factor)
+            rewards = overlong_penalty(
+                rewards,
+                lengths,
+                max_new_tokens=self.cfg.rollout.max_new_tokens,
+                buffer=algo.overlong_buffer,
+                factor=algo.overlong_factor,
+            )
         if algo.truncation_penalty is not None:
             truncated = torch.tensor([t.turns[-1].finish_reason == "length" for t in trajs])
             rewards = truncation_penalty(rewards, truncated, algo.truncation_penalty)
@@ -307,9 +330,14 @@ class Trainer:
         # Rollouts already sampled ahead (async) are saved so a resume trains on them too.
         pending = [(s, self.rollout.result(f)) for s, f in self.queue] if self.queue else []  # type: ignore[union-attr]
         self.queue = deque((s, _Ready(t)) for s, t in pending)
-        state = {"step": self.step, "data_pos": self.data_pos, "kl_coef": self.kl_coef,
-                 "bad_steps": self.bad_steps, "queue_steps": [s for s, _ in pending],
-                 "queue_sizes": [len(t) for _, t in pending]}
+        state = {
+            "step": self.step,
+            "data_pos": self.data_pos,
+            "kl_coef": self.kl_coef,
+            "bad_steps": self.bad_steps,
+            "queue_steps": [s for s, _ in pending],
+            "queue_sizes": [len(t) for _, t in pending],
+        }
         worker_state = self.policy.call("state_dict")  # type: ignore[union-attr]
         flat = [traj for _, trajs in pending for traj in trajs]
         return save_checkpoint(self.run_dir, self.step, worker_state, state, flat)

@@ -22,7 +22,10 @@ def init_distributed(rank: int, world_size: int, addr: str) -> None:
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(
-        backend, init_method=addr, rank=rank, world_size=world_size,
+        backend,
+        init_method=addr,
+        rank=rank,
+        world_size=world_size,
         timeout=datetime.timedelta(minutes=10),
     )
 
@@ -63,7 +66,9 @@ def full_norm(norm: Tensor) -> float:
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
-def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
+def full_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> tuple[dict, dict]:
     """Unsharded model (and optimizer) state, on CPU. A collective: call on every rank."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -77,12 +82,18 @@ def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
     return get_state_dict(model, optimizer, options=opts)
 
 
-def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict,
-                    optim_sd: dict) -> None:
+def load_full_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict
+) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                   options=StateDictOptions(full_state_dict=True))
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=model_sd,
+        optim_state_dict=optim_sd,
+        options=StateDictOptions(full_state_dict=True),
+    )
 
 
 def pad_cat(rows: list[Tensor], width: int) -> Tensor:

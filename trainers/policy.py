@@ -28,7 +28,12 @@ class NonFiniteLossError(RuntimeError):
 
 class PolicyWorker:
     def __init__(
-        self, cfg: TrainConfig, *, with_engine: bool = True, rank: int = 0, world_size: int = 1,
+        self,
+        cfg: TrainConfig,
+        *,
+        with_engine: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
         dist_addr: str | None = None,
     ) -> None:
         from agentrl.models import load_model, load_tokenizer
@@ -65,7 +70,9 @@ class PolicyWorker:
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
         )
         self.ref_model = self._frozen_copy() if cfg.algo.kl_coef > 0 else None
-        self.critic, self.critic_opt = self._make_critic() if cfg.algo.estimator == "gae" else (None, None)
+        self.critic, self.critic_opt = (
+            self._make_critic() if cfg.algo.estimator == "gae" else (None, None)
+        )
         self.version = 0
         self.engine = None
         if with_engine:
@@ -92,7 +99,12 @@ class PolicyWorker:
 
     # ------------------------------------------------------------------ forward passes
     def _forward(
-        self, model: torch.nn.Module, batch: RolloutBatch, idx: Tensor, n: int, *,
+        self,
+        model: torch.nn.Module,
+        batch: RolloutBatch,
+        idx: Tensor,
+        n: int,
+        *,
         entropy: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Logprobs (and entropies) of the policy tokens of rows `idx`, as [m, n-1] (0 elsewhere).
@@ -188,8 +200,12 @@ class PolicyWorker:
         from trainers import fsdp
 
         algo = self.cfg.algo
-        fields = {"rewards": batch.rewards, "mask": batch.mask, "kl": kl,
-                  "values": batch.extras.get("values")}
+        fields = {
+            "rewards": batch.rewards,
+            "mask": batch.mask,
+            "kl": kl,
+            "values": batch.extras.get("values"),
+        }
         parts = fsdp.gather_objects(({k: v for k, v in fields.items() if v is not None}, groups))
         width = max(p[0]["mask"].shape[1] for p in parts)
         full = {k: fsdp.pad_cat([p[0][k] for p in parts], width) for k in parts[0][0]}
@@ -334,7 +350,10 @@ class PolicyWorker:
             mask = batch.rows("mask", idx, n)
             values = self.critic(batch.input_ids[idx, :n], batch.lengths[idx])
             loss_bt = A.value_loss(
-                values, batch.rows("values", idx, n), batch.rows("returns", idx, n), mask,
+                values,
+                batch.rows("values", idx, n),
+                batch.rows("returns", idx, n),
+                mask,
                 clip=self.cfg.algo.value_clip,
             )
             loss = (loss_bt * mask).sum() / max(num_tokens, 1.0)
@@ -469,7 +488,11 @@ def _trim_host_memory() -> None:
 
 
 def _rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:

@@ -72,10 +72,16 @@ def collect_agent_episodes(
     picked = [tasks[s % len(tasks)] for s in seeds for _ in range(n)]
     # Agents may name the policy "agentrl" or by its model name; both are served.
     app = create_app(engine, tokenizer, config=ProxyConfig(aliases=(cfg.actor.model,)))
-    trajs = asyncio.run(run_agents(
-        agent_fn, picked, app=app, reward_fn=reward_fn,
-        concurrency=cfg.rollout.max_concurrency, group_fn=lambda i, _t: f"s{step}-{i // n}",
-    ))
+    trajs = asyncio.run(
+        run_agents(
+            agent_fn,
+            picked,
+            app=app,
+            reward_fn=reward_fn,
+            concurrency=cfg.rollout.max_concurrency,
+            group_fn=lambda i, _t: f"s{step}-{i // n}",
+        )
+    )
     return trajs
 
 
@@ -123,7 +129,9 @@ def evaluate_engine(engine: Any, cfg: TrainConfig, tokenizer: Any) -> dict[str, 
     }
 
 
-def weight_buckets(named: dict[str, torch.Tensor], bucket_mb: int) -> Iterator[dict[str, torch.Tensor]]:
+def weight_buckets(
+    named: dict[str, torch.Tensor], bucket_mb: int
+) -> Iterator[dict[str, torch.Tensor]]:
     """Split a state dict into buckets of about `bucket_mb` MiB (one transfer each), instead of
     one parameter at a time (slow) or everything at once (a full extra copy in flight)."""
     limit = bucket_mb * 2**20

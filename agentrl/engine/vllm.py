@@ -10,7 +10,8 @@ say (tests/engine/fake_vllm.py), not against vLLM itself:
   `.outputs` are `CompletionOutput`s with `token_ids`, `logprobs` (per position a dict
   token id -> `Logprob(logprob=...)`), `finish_reason` ("stop" | "length" | "abort") and
   `stop_reason` (with `output_kind=RequestOutputKind.DELTA` each output holds only the tokens
-  and logprobs new since the previous one: `generate_stream` uses it); `abort(request_id)`, `sleep(level)`, `wake_up()`, `reset_prefix_cache()`,
+  and logprobs new since the previous one: `generate_stream` uses it);
+  `abort(request_id)`, `sleep(level)`, `wake_up()`, `reset_prefix_cache()`,
   `collective_rpc(method, args=...)`, `shutdown()`.
 - Prompts are `vllm.inputs.TokensPrompt(prompt_token_ids=...)`: never re-tokenized.
 - Logprobs: the engine argument `logprobs_mode` picks "processed_logprobs" (after temperature,
@@ -226,8 +227,13 @@ class VLLMEngine:
             empty: list[float] | None = [] if params.logprobs else None
             put(
                 [
-                    CompletionDelta(index=i, token_ids=[], logprobs=empty,
-                                    finish_reason="abort", policy_version=version)
+                    CompletionDelta(
+                        index=i,
+                        token_ids=[],
+                        logprobs=empty,
+                        finish_reason="abort",
+                        policy_version=version,
+                    )
                     for i, done in enumerate(finished)
                     if not done
                 ]

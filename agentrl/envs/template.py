@@ -94,7 +94,9 @@ class ChatTemplateBridge:
         body = ids[:-1] if closed else ids
         return self.tokenizer.decode(body, skip_special_tokens=False), closed
 
-    def observation_ids(self, action_ids: Sequence[int], new_messages: Sequence[Message]) -> list[int]:
+    def observation_ids(
+        self, action_ids: Sequence[int], new_messages: Sequence[Message]
+    ) -> list[int]:
         """Tokens to append after the policy's action: the rest of its turn's closing text,
         the new messages, and the generation prompt for the next action."""
         text = self._rest_of_assistant_turn(action_ids)

@@ -7,7 +7,38 @@ from typing import Any
 from agentrl.envs import ChatEnv
 from agentrl.envs.chat import StepResult
 
-WORDS = ["cat", "dog", "sun", "map", "pen", "cup", "hat", "box", "red", "top", "bus", "egg", "fox", "ice", "jam", "key", "leg", "net", "owl", "pig", "rat", "sky", "toy", "van", "web", "yes", "zoo", "ant", "bee", "cow"]
+WORDS = [
+    "cat",
+    "dog",
+    "sun",
+    "map",
+    "pen",
+    "cup",
+    "hat",
+    "box",
+    "red",
+    "top",
+    "bus",
+    "egg",
+    "fox",
+    "ice",
+    "jam",
+    "key",
+    "leg",
+    "net",
+    "owl",
+    "pig",
+    "rat",
+    "sky",
+    "toy",
+    "van",
+    "web",
+    "yes",
+    "zoo",
+    "ant",
+    "bee",
+    "cow",
+]
 
 
 class ReverseEnv(ChatEnv):
@@ -21,7 +52,9 @@ class ReverseEnv(ChatEnv):
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         self.word = str(self.np_random.choice(self.words))
-        prompt = f"Reverse the letters of the word '{self.word}'. Answer with the reversed word only."
+        prompt = (
+            f"Reverse the letters of the word '{self.word}'. Answer with the reversed word only."
+        )
         return [{"role": "user", "content": prompt}], {"word": self.word}
 
     def step(self, assistant_text: str) -> StepResult:

@@ -29,8 +29,10 @@ def test_kl_matches_reference_including_clamp(name: str) -> None:
     ref = batch.logp_BT + 2.0 * torch.randn_like(batch.logp_BT)
     ref[0, :3] = torch.tensor([-60.0, 60.0, 0.0])  # far outside the clamp on both sides
     got = kl_estimate(name, batch.logp_BT, ref)
-    want = [[_reference_kl(name, float(a), float(r)) for a, r in zip(row_a, row_r)]
-            for row_a, row_r in zip(batch.logp_BT, ref)]
+    want = [
+        [_reference_kl(name, float(a), float(r)) for a, r in zip(row_a, row_r)]
+        for row_a, row_r in zip(batch.logp_BT, ref)
+    ]
     torch.testing.assert_close(got, torch.tensor(want))
     assert float(got.abs().max()) == 10.0
 
@@ -40,7 +42,9 @@ def test_kl_estimators_by_hand() -> None:
     # log r = log 2.
     torch.testing.assert_close(kl_estimate("k1", logp, ref), torch.tensor([[math.log(2)]]))
     torch.testing.assert_close(kl_estimate("k2", logp, ref), torch.tensor([[math.log(2) ** 2 / 2]]))
-    torch.testing.assert_close(kl_estimate("k3", logp, ref), torch.tensor([[0.5 - 1 + math.log(2)]]))
+    torch.testing.assert_close(
+        kl_estimate("k3", logp, ref), torch.tensor([[0.5 - 1 + math.log(2)]])
+    )
 
 
 def test_k3_gradient_is_finite_where_the_ratio_overflows() -> None:

@@ -24,7 +24,12 @@ from ._batches import make_batch
 
 
 def _reference_ppo(
-    logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, low: float, high: float,
+    logp: Tensor,
+    old: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    low: float,
+    high: float,
     dual: float | None,
 ) -> tuple[list[list[float]], float]:
     """Token loop: loss per token and the clip ratio over action tokens."""
@@ -65,8 +70,13 @@ def test_ppo_matches_reference(seed: int, low: float, high: float, dual: float |
     inputs = _random_policy_inputs(seed)
     loss, metrics = policy_loss("ppo", clip_low=low, clip_high=high, dual_clip=dual, **inputs)
     want, clip_ratio = _reference_ppo(
-        inputs["logp_BT"], inputs["old_logp_BT"], inputs["advantages_BT"], inputs["mask_BT"],
-        low, high, dual,
+        inputs["logp_BT"],
+        inputs["old_logp_BT"],
+        inputs["advantages_BT"],
+        inputs["mask_BT"],
+        low,
+        high,
+        dual,
     )
     torch.testing.assert_close(loss, torch.tensor(want))
     assert 0 < clip_ratio < 1
@@ -113,8 +123,13 @@ def test_gspo_gradient_equals_the_sequence_level_objective() -> None:
     seq_adv = torch.randn(mask.shape[0])
     logp = inputs["logp_BT"].clone().requires_grad_(True)
     loss, _ = policy_loss(
-        "gspo", logp_BT=logp, old_logp_BT=inputs["old_logp_BT"],
-        advantages_BT=seq_adv[:, None] * mask, mask_BT=mask, clip_low=0.05, clip_high=0.05,
+        "gspo",
+        logp_BT=logp,
+        old_logp_BT=inputs["old_logp_BT"],
+        advantages_BT=seq_adv[:, None] * mask,
+        mask_BT=mask,
+        clip_low=0.05,
+        clip_high=0.05,
     )
     (grad,) = torch.autograd.grad(aggregate_loss(loss, mask, "seq-mean-token-mean"), logp)
     # Paper eq. 5, one sequence at a time.
@@ -129,8 +144,9 @@ def test_gspo_gradient_equals_the_sequence_level_objective() -> None:
     torch.testing.assert_close(grad, want)
 
 
-def _reference_aggregate(loss: Tensor, mask: Tensor, mode: str, n_tok: float, n_seq: float,
-                         constant: float | None) -> float:
+def _reference_aggregate(
+    loss: Tensor, mask: Tensor, mode: str, n_tok: float, n_seq: float, constant: float | None
+) -> float:
     total = 0.0
     for b in range(loss.shape[0]):
         tokens = [float(loss[b, t]) for t in range(loss.shape[1]) if mask[b, t]]
@@ -169,8 +185,9 @@ def test_aggregation_is_invariant_to_micro_batch_split(mode: str) -> None:
         total = torch.zeros(())
         for rows in torch.arange(mask.shape[0]).chunk(num_micro):
             per_token = (params[rows] - weights[rows]) ** 2
-            total = total + aggregate_loss(per_token, mask[rows], mode, num_tokens=n_tok,
-                                           num_seqs=n_seq, constant=constant)
+            total = total + aggregate_loss(
+                per_token, mask[rows], mode, num_tokens=n_tok, num_seqs=n_seq, constant=constant
+            )
         total.backward()
         results.append((total.detach(), params.grad))
     for total, grad in results[1:]:
@@ -197,10 +214,15 @@ def test_value_loss_matches_reference_and_hand_example() -> None:
     batch = make_batch(1)
     v = batch.values_BT
     v_old, ret = v + torch.randn_like(v), torch.randn_like(v)
-    want = [[0.5 * max((float(o) + min(max(float(a - o), -0.5), 0.5) - float(r)) ** 2,
-                       float(a - r) ** 2) * float(m)
-             for a, o, r, m in zip(*rows)]
-            for rows in zip(v, v_old, ret, batch.mask_BT)]
+    want = [
+        [
+            0.5
+            * max((float(o) + min(max(float(a - o), -0.5), 0.5) - float(r)) ** 2, float(a - r) ** 2)
+            * float(m)
+            for a, o, r, m in zip(*rows)
+        ]
+        for rows in zip(v, v_old, ret, batch.mask_BT)
+    ]
     torch.testing.assert_close(value_loss(v, v_old, ret, batch.mask_BT), torch.tensor(want))
 
 
@@ -237,14 +259,16 @@ def test_logprobs_from_bf16_logits_are_float32_with_full_gradient() -> None:
 def test_register_policy_loss(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(losses_module, "POLICY_LOSSES", dict(POLICY_LOSSES))
 
-    def vanilla_pg(*, logp_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor,
-                   **_: object) -> tuple[Tensor, dict[str, Tensor]]:
+    def vanilla_pg(
+        *, logp_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor, **_: object
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         return -logp_BT * advantages_BT * mask_BT, {}
 
     register_policy_loss("pg", vanilla_pg)
     ones = torch.ones(1, 2)
-    loss, _ = policy_loss("pg", logp_BT=-ones, old_logp_BT=ones, advantages_BT=2 * ones,
-                          mask_BT=ones)
+    loss, _ = policy_loss(
+        "pg", logp_BT=-ones, old_logp_BT=ones, advantages_BT=2 * ones, mask_BT=ones
+    )
     torch.testing.assert_close(loss, 2 * ones)
     with pytest.raises(ValueError, match="policy loss named 'pg' is already registered"):
         register_policy_loss("pg", vanilla_pg)
@@ -261,7 +285,9 @@ def test_error_messages() -> None:
         policy_loss("ppo", clip_low=1.5, **kwargs)
     with pytest.raises(ValueError, match=r"mask_BT must have the shape of logp_BT \(2, 3\)"):
         policy_loss("ppo", **{**kwargs, "mask_BT": torch.ones(2, 2)})
-    with pytest.raises(ValueError, match="Unknown loss aggregation mode 'token_mean'.*'token-mean'"):
+    with pytest.raises(
+        ValueError, match="Unknown loss aggregation mode 'token_mean'.*'token-mean'"
+    ):
         aggregate_loss(ones, ones, "token_mean")
     with pytest.raises(ValueError, match="'constant' needs constant > 0"):
         aggregate_loss(ones, ones, "constant")

@@ -16,7 +16,9 @@ from agentrl.types import (
 
 def _trajectory() -> Trajectory:
     b = TrajectoryBuilder(group="g7")
-    b.add_observation([1, 2, 3], images=[Image(pixels=np.full((2, 3, 3), 7, np.uint8), start=1, end=2)])
+    b.add_observation(
+        [1, 2, 3], images=[Image(pixels=np.full((2, 3, 3), 7, np.uint8), start=1, end=2)]
+    )
     t = b.add_action([4, 5], [-0.5, -1.25], policy_version=3, finish_reason="stop")
     t.reward = 0.25
     b.add_observation([6])

@@ -16,21 +16,25 @@ from environments.math_tir.data import (
 from environments.math_tir.env import MathEnv
 
 
-@pytest.mark.parametrize(("tasks", "difficulty"), [
-    ("basic_arithmetic", "easy"), ("gsm_symbolic", "easy"),
-    ({"basic_arithmetic": 2, "chain_sum": 1, "lcm": 1}, "medium"),
-])
+@pytest.mark.parametrize(
+    ("tasks", "difficulty"),
+    [
+        ("basic_arithmetic", "easy"),
+        ("gsm_symbolic", "easy"),
+        ({"basic_arithmetic": 2, "chain_sum": 1, "lcm": 1}, "medium"),
+    ],
+)
 def test_train_and_eval_splits_are_disjoint(tasks, difficulty):
     train = generate_problems(tasks, split="train", num_problems=1500, difficulty=difficulty)
     evals = generate_problems(tasks, split="eval", num_problems=150, difficulty=difficulty)
     assert len(train) == 1500 and len(evals) == 150
     assert not {p.uid for p in train} & {p.uid for p in evals}
     assert not {" ".join(p.question.split()) for p in train} & {
-        " ".join(p.question.split()) for p in evals}
+        " ".join(p.question.split()) for p in evals
+    }
     assert len({p.uid for p in train}) == len(train)  # no duplicate questions within a split
     # A different generation seed draws other problems but never crosses the split.
-    other = generate_problems(tasks, split="train", num_problems=300, difficulty=difficulty,
-                              seed=1)
+    other = generate_problems(tasks, split="train", num_problems=300, difficulty=difficulty, seed=1)
     assert not {p.uid for p in other} & {p.uid for p in evals}
 
 
@@ -48,7 +52,9 @@ def test_difficulty_changes_problems():
 
 
 def test_unknown_task_and_split_say_what_to_do():
-    with pytest.raises(ValueError, match="unknown reasoning-gym task 'gsm_symbolc'.*'gsm_symbolic'"):
+    with pytest.raises(
+        ValueError, match="unknown reasoning-gym task 'gsm_symbolc'.*'gsm_symbolic'"
+    ):
         generate_problems("gsm_symbolc")
     with pytest.raises(ValueError, match="split must be one of.*Did you mean 'eval'"):
         generate_problems("gsm_symbolic", split="test")
@@ -58,20 +64,29 @@ def test_unknown_task_and_split_say_what_to_do():
 
 def test_file_missing_key_names_file_row_and_key(write_jsonl):
     path = write_jsonl([{"question": "1+1?", "answer": "2"}, {"question": "2+2?", "anwser": "4"}])
-    with pytest.raises(ValueError, match=rf"{path.name}: row 1 \(line 2\): missing key 'answer'"
-                                         r"\. Did you mean 'anwser'"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{path.name}: row 1 \(line 2\): missing key 'answer'"
+        r"\. Did you mean 'anwser'",
+    ):
         load_problems(path)
 
 
-@pytest.mark.parametrize(("row", "key", "got"), [
-    ({"question": 5, "answer": "5"}, "question", "int"),
-    ({"question": "q?", "answer": [1, 2]}, "answer", "list"),
-    ({"question": "q?", "answer": True}, "answer", "bool"),
-])
+@pytest.mark.parametrize(
+    ("row", "key", "got"),
+    [
+        ({"question": 5, "answer": "5"}, "question", "int"),
+        ({"question": "q?", "answer": [1, 2]}, "answer", "list"),
+        ({"question": "q?", "answer": True}, "answer", "bool"),
+    ],
+)
 def test_file_wrong_type_names_file_row_and_key(write_jsonl, row, key, got):
     path = write_jsonl([{"question": "ok?", "answer": 1}, {"question": "fine?", "answer": 2}, row])
-    with pytest.raises(ValueError, match=rf"{path.name}: row 2 \(line 3\): key '{key}' must be "
-                                         rf".*got {got}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{path.name}: row 2 \(line 3\): key '{key}' must be "
+        rf".*got {got}",
+    ):
         load_problems(path)
 
 
@@ -102,8 +117,10 @@ def test_unparseable_answers_are_skipped_with_a_warning(write_jsonl, caplog):
 def test_parquet_and_datasets_dir(tmp_path):
     import datasets
 
-    rows = {"question": [f"What is {i} * 3?" for i in range(50)], "answer": [str(3 * i)
-                                                                               for i in range(50)]}
+    rows = {
+        "question": [f"What is {i} * 3?" for i in range(50)],
+        "answer": [str(3 * i) for i in range(50)],
+    }
     ds = datasets.Dataset.from_dict(rows)
     ds.to_parquet(str(tmp_path / "p.parquet"))
     ds.save_to_disk(str(tmp_path / "saved"))

@@ -32,7 +32,7 @@ def test_one_step_scores_and_terminates(tiny_tokenizer):
 
 def test_dict_reward_extras_go_to_info(tiny_tokenizer):
     env = ChatTokenEnv(
-        RewardEnv(DATA, lambda p, r, l: {"reward": 0.5, "format_ok": True}), tiny_tokenizer
+        RewardEnv(DATA, lambda prompt, response, label: {"reward": 0.5, "format_ok": True}), tiny_tokenizer
     )
     env.reset(seed=0)
     _, r, _, _, info = _answer(env, tiny_tokenizer, "x")
@@ -45,12 +45,14 @@ def test_raising_reward_fn_names_function_and_sample(tiny_tokenizer):
 
     env = ChatTokenEnv(RewardEnv(DATA, broken), tiny_tokenizer)
     env.reset(options={"index": 1})
-    with pytest.raises(RewardFunctionError, match=r"'test_raising.*broken' on sample 1 .*3\+3.*ZeroDivisionError"):
+    with pytest.raises(
+        RewardFunctionError, match=r"'test_raising.*broken' on sample 1 .*3\+3.*ZeroDivisionError"
+    ):
         _answer(env, tiny_tokenizer, "6")
 
 
 def test_non_number_reward_is_rejected(tiny_tokenizer):
-    env = ChatTokenEnv(RewardEnv(DATA, lambda p, r, l: "yes"), tiny_tokenizer)
+    env = ChatTokenEnv(RewardEnv(DATA, lambda prompt, response, label: "yes"), tiny_tokenizer)
     env.reset(options={"index": 0})
     with pytest.raises(RewardFunctionError, match="returned 'yes'.*expected a float"):
         _answer(env, tiny_tokenizer, "4")

@@ -23,8 +23,10 @@ async def _async_agent(task: str, base_url: str, api_key: str) -> str:
     msgs = [{"role": "user", "content": task}]
     for _ in range(2):
         r = await client.chat.completions.create(model="agentrl", messages=msgs)
-        msgs += [{"role": "assistant", "content": r.choices[0].message.content},
-                 {"role": "user", "content": "more"}]
+        msgs += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": "more"},
+        ]
     await client.close()
     return r.choices[0].message.content
 
@@ -33,15 +35,27 @@ def _sync_agent(task: str, base_url: str, api_key: str) -> str:
     if task == "boom":
         raise RuntimeError("agent crashed")
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    return client.chat.completions.create(
-        model="agentrl", messages=[{"role": "user", "content": task}]).choices[0].message.content
+    return (
+        client.chat.completions.create(
+            model="agentrl", messages=[{"role": "user", "content": task}]
+        )
+        .choices[0]
+        .message.content
+    )
 
 
 def test_run_agents_async_agent_with_rewards(tok):
     app = create_app(FakeEngine(tok), tok)
-    trajs = asyncio.run(run_agents(_async_agent, ["a", "b", "a"], app=app, concurrency=2,
-                                   reward_fn=lambda task, out: 1.0 if "42" in out else 0.0,
-                                   group_fn=lambda i, task: task))
+    trajs = asyncio.run(
+        run_agents(
+            _async_agent,
+            ["a", "b", "a"],
+            app=app,
+            concurrency=2,
+            reward_fn=lambda task, out: 1.0 if "42" in out else 0.0,
+            group_fn=lambda i, task: task,
+        )
+    )
     assert len(trajs) == 3
     assert all(len(t.turns) == 2 and t.rewards == [0.0, 1.0] and t.terminated for t in trajs)
     assert [t.group for t in trajs] == ["a", "b", "a"]
@@ -81,33 +95,59 @@ def _data_url(h: int) -> str:
 def test_images_are_recorded_with_placeholders(make_proxy, tok):
     p = make_proxy(processor=FakeProcessor(tok))
     c = p.client("vlm")
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "Look: "},
-                                         {"type": "image_url", "image_url": {"url": _data_url(6)}}]}]
+    msgs = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Look: "},
+                {"type": "image_url", "image_url": {"url": _data_url(6)}},
+            ],
+        }
+    ]
     r = c.chat.completions.create(model="agentrl", messages=msgs)
-    msgs += [{"role": "assistant", "content": r.choices[0].message.content},
-             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(4)}},
-                                          {"type": "text", "text": "and this?"}]}]
+    msgs += [
+        {"role": "assistant", "content": r.choices[0].message.content},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": _data_url(4)}},
+                {"type": "text", "text": "and this?"},
+            ],
+        },
+    ]
     c.chat.completions.create(model="agentrl", messages=msgs)
     assert p.engine.requests[-1][2] == 2  # the engine got both images
     (traj,) = p.store.get("vlm").trajectories()
     image_id = tok.convert_tokens_to_ids("<image>")
     assert [(im.end - im.start, im.pixels.shape) for im in traj.images] == [
-        (3, (6, 4, 3)), (2, (4, 4, 3))]
+        (3, (6, 4, 3)),
+        (2, (4, 4, 3)),
+    ]
     for im in traj.images:
-        assert traj.token_ids[im.start:im.end] == [image_id] * (im.end - im.start)
+        assert traj.token_ids[im.start : im.end] == [image_id] * (im.end - im.start)
     back = json.loads(traj.to_json())
     assert len(back["images"]) == 2
 
 
 def test_images_without_processor_are_refused(proxy):
     with pytest.raises(openai.BadRequestError, match="no image processor"):
-        proxy.client().chat.completions.create(model="agentrl", messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": _data_url(2)}}]}])
+        proxy.client().chat.completions.create(
+            model="agentrl",
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": _data_url(2)}}],
+                }
+            ],
+        )
 
 
 async def _stream_session(client: httpx.AsyncClient, i: int) -> tuple[int, str]:
-    body = {"model": "agentrl", "stream": True,
-            "messages": [{"role": "user", "content": f"session {i}"}]}
+    body = {
+        "model": "agentrl",
+        "stream": True,
+        "messages": [{"role": "user", "content": f"session {i}"}],
+    }
     text = ""
     async with client.stream("POST", f"/sessions/s{i}/v1/chat/completions", json=body) as r:
         async for line in r.aiter_lines():
@@ -135,5 +175,5 @@ def test_256_concurrent_streaming_sessions_never_mix(make_proxy, tok):
     for i, text in results:
         assert text == f"reply to {i}", (i, text)
         (traj,) = p.store.get(f"s{i}").trajectories()
-        action = tok.decode(traj.token_ids[traj.turns[0].start:traj.turns[0].end])
+        action = tok.decode(traj.token_ids[traj.turns[0].start : traj.turns[0].end])
         assert action == f"reply to {i}<|im_end|>"

@@ -11,8 +11,10 @@ import pytest
 from servers.testing import FakeEngine, StreamingFakeEngine
 from tests.servers.conftest import validate_chunk, validate_completion
 
-MSGS = [{"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": "What is 6 * 7?"}]
+MSGS = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is 6 * 7?"},
+]
 
 
 def _raw(client: openai.OpenAI, **kw):
@@ -81,13 +83,27 @@ def test_n_choices_recorded(proxy):
 def test_harmless_fields_and_message_forms_accepted(proxy):
     msgs = [
         {"role": "developer", "content": "Be brief."},
-        {"role": "user", "name": "bob", "content": [{"type": "text", "text": "Hi "},
-                                                     {"type": "text", "text": "there"}]},
+        {
+            "role": "user",
+            "name": "bob",
+            "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}],
+        },
     ]
-    _, body = _raw(proxy.client(), messages=msgs, temperature=0, top_p=0.9, seed=1,
-                   frequency_penalty=0.5, presence_penalty=0.1, user="u", metadata={"a": "b"},
-                   store=False, parallel_tool_calls=False, service_tier="auto",
-                   reasoning_effort="low")
+    _, body = _raw(
+        proxy.client(),
+        messages=msgs,
+        temperature=0,
+        top_p=0.9,
+        seed=1,
+        frequency_penalty=0.5,
+        presence_penalty=0.1,
+        user="u",
+        metadata={"a": "b"},
+        store=False,
+        parallel_tool_calls=False,
+        service_tier="auto",
+        reasoning_effort="low",
+    )
     validate_completion(body)
     prompt = proxy.engine.tokenizer.decode(proxy.engine.requests[-1][0])
     assert "<|im_start|>system\nBe brief.<|im_end|>" in prompt and "Hi there" in prompt
@@ -104,9 +120,15 @@ def test_logprobs_with_top_logprobs(proxy):
 
 def test_stream_shape_usage_and_done(make_proxy):
     p = make_proxy(streaming=True)
-    events = _sse(f"{p.url}/v1/chat/completions",
-                  {"model": "agentrl", "messages": MSGS, "stream": True,
-                   "stream_options": {"include_usage": True}})
+    events = _sse(
+        f"{p.url}/v1/chat/completions",
+        {
+            "model": "agentrl",
+            "messages": MSGS,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert events[-1] == "[DONE]"
     chunks = [validate_chunk(e) for e in events[:-1]]
     assert len({c.id for c in chunks}) == 1
@@ -126,42 +148,53 @@ def test_greedy_stream_equals_non_stream(make_proxy, tok, streaming_engine):
     streamed = "".join(
         ch.choices[0].delta.content or ""
         for ch in p.client("b").chat.completions.create(
-            model="agentrl", messages=MSGS, temperature=0, stream=True)
+            model="agentrl", messages=MSGS, temperature=0, stream=True
+        )
         if ch.choices
     )
     assert streamed == full.choices[0].message.content
-    assert p.store.get("a").trajectories()[0].token_ids == p.store.get("b").trajectories()[0].token_ids
+    assert (
+        p.store.get("a").trajectories()[0].token_ids == p.store.get("b").trajectories()[0].token_ids
+    )
 
 
 def test_stream_n_interleaves_by_index(make_proxy):
     p = make_proxy(streaming=True)
-    events = _sse(f"{p.url}/sessions/sn/v1/chat/completions",
-                  {"model": "agentrl", "messages": MSGS, "stream": True, "n": 2})
+    events = _sse(
+        f"{p.url}/sessions/sn/v1/chat/completions",
+        {"model": "agentrl", "messages": MSGS, "stream": True, "n": 2},
+    )
     chunks = [validate_chunk(e) for e in events[:-1]]
     order = [c.choices[0].index for c in chunks]
     assert order[:4] == [0, 1, 0, 1]
-    texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i)
-             for i in (0, 1)]
+    texts = [
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i)
+        for i in (0, 1)
+    ]
     assert texts == ["Hello! The answer is 42.", "Hello! The answer is 42. (choice 1)"]
     assert len(p.store.get("sn").trajectories()) == 2
 
 
 def test_stream_stop_string_held_back(make_proxy):
     p = make_proxy(streaming=True)
-    events = _sse(f"{p.url}/v1/chat/completions",
-                  {"model": "agentrl", "messages": MSGS, "stream": True, "stop": "42"})
+    events = _sse(
+        f"{p.url}/v1/chat/completions",
+        {"model": "agentrl", "messages": MSGS, "stream": True, "stop": "42"},
+    )
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
     assert text == "Hello! The answer is "
 
 
 def test_logprobs_in_stream_concatenate(make_proxy):
     p = make_proxy(streaming=True)
-    events = _sse(f"{p.url}/v1/chat/completions",
-                  {"model": "agentrl", "messages": MSGS, "stream": True, "logprobs": True,
-                   "top_logprobs": 2})
+    events = _sse(
+        f"{p.url}/v1/chat/completions",
+        {"model": "agentrl", "messages": MSGS, "stream": True, "logprobs": True, "top_logprobs": 2},
+    )
     chunks = [validate_chunk(e) for e in events[:-1]]
-    toks = "".join(e.token for c in chunks if c.choices[0].logprobs
-                   for e in c.choices[0].logprobs.content)
+    toks = "".join(
+        e.token for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    )
     assert toks == "Hello! The answer is 42."
 
 
@@ -169,8 +202,10 @@ def test_engine_failure_mid_stream_gives_error_chunk_then_done(make_proxy, tok):
     engine = StreamingFakeEngine(tok)
     engine.fail_after_tokens = 3
     p = make_proxy(engine)
-    events = _sse(f"{p.url}/sessions/f/v1/chat/completions",
-                  {"model": "agentrl", "messages": MSGS, "stream": True})
+    events = _sse(
+        f"{p.url}/sessions/f/v1/chat/completions",
+        {"model": "agentrl", "messages": MSGS, "stream": True},
+    )
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["type"] == "server_error"
     assert p.store.get("f").summary()["aborted_calls"] == 1
@@ -196,7 +231,8 @@ def test_context_hit_gives_length(make_proxy, tok):
 def test_sdk_retry_replaces_attempt(proxy):
     c = proxy.client("r")
     c.chat.completions.create(model="agentrl", messages=MSGS)
-    c.chat.completions.create(model="agentrl", messages=MSGS,
-                              extra_headers={"x-stainless-retry-count": "1"})
+    c.chat.completions.create(
+        model="agentrl", messages=MSGS, extra_headers={"x-stainless-retry-count": "1"}
+    )
     s = proxy.store.get("r").summary()
     assert (s["num_calls"], s["replaced_calls"], s["drift_events"]) == (1, 1, 0)

@@ -17,10 +17,19 @@ def test_openai_agents_sdk_example_records_trajectories():
     pytest.importorskip("agents")
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "proxy_openai_agents.py"), "--model", "tiny"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
-        env={"PATH": "/usr/bin:/bin", "OPENAI_AGENTS_DISABLE_TRACING": "1", "HOME": str(Path.home())},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "OPENAI_AGENTS_DISABLE_TRACING": "1",
+            "HOME": str(Path.home()),
+        },
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    episodes = re.findall(r"^ep\d+-\S+: (\d+) tokens, (\d+) turns, reward ([\d.]+)$", out.stdout, re.MULTILINE)
+    episodes = re.findall(
+        r"^ep\d+-\S+: (\d+) tokens, (\d+) turns, reward ([\d.]+)$", out.stdout, re.MULTILINE
+    )
     assert len(episodes) >= 2, out.stdout
     assert all(int(tokens) > 0 for tokens, _, _ in episodes)

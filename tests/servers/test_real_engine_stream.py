@@ -25,10 +25,14 @@ def test_streamed_greedy_equals_non_streamed(real_proxy):
     kw = {"model": "agentrl", "messages": MSGS, "temperature": 0, "max_tokens": 16}
     full = real_proxy.client("plain").chat.completions.create(**kw)
     chunks = list(real_proxy.client("streamed").chat.completions.create(stream=True, **kw))
-    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    pieces = [
+        c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content
+    ]
     assert "".join(pieces) == full.choices[0].message.content
     assert len(pieces) > 1  # sent as it was sampled, not in one piece
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finish == [full.choices[0].finish_reason]
     [plain] = real_proxy.store.get("plain").trajectories()
     [streamed] = real_proxy.store.get("streamed").trajectories()

@@ -11,10 +11,22 @@ import pytest
 from servers.testing import FakeEngine, StreamingFakeEngine
 from tests.servers.conftest import validate_chunk, validate_completion
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city", "strict": True,
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"], "additionalProperties": False}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
 CALL_TEXT = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 # SmolLM2-135M-Instruct's template: no tools, no None content (the embedded model's).
 SMOL_TEMPLATE = (
@@ -29,6 +41,7 @@ SMOL_TEMPLATE = (
 def _tool_reply(call_text: str):
     def reply(prompt: str, _i: int) -> str:
         return "It is sunny." if "<tool_response>" in prompt or "tool\n" in prompt else call_text
+
     return reply
 
 
@@ -36,8 +49,13 @@ def _episode(client, tools=TOOLS):
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
     r1 = client.chat.completions.create(model="agentrl", messages=msgs, tools=tools)
     msgs.append(r1.choices[0].message.model_dump(exclude_none=True))
-    msgs.append({"role": "tool", "tool_call_id": r1.choices[0].message.tool_calls[0].id,
-                 "content": "sunny, 21C"})
+    msgs.append(
+        {
+            "role": "tool",
+            "tool_call_id": r1.choices[0].message.tool_calls[0].id,
+            "content": "sunny, 21C",
+        }
+    )
     r2 = client.chat.completions.create(model="agentrl", messages=msgs, tools=tools)
     return r1, r2
 
@@ -45,7 +63,8 @@ def _episode(client, tools=TOOLS):
 def test_tool_call_non_stream(make_proxy, tok):
     p = make_proxy(FakeEngine(tok, reply=_tool_reply(CALL_TEXT)))
     raw = p.client().chat.completions.with_raw_response.create(
-        model="agentrl", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS)
+        model="agentrl", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS
+    )
     cc = validate_completion(raw.http_response.json())
     choice = cc.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -69,14 +88,16 @@ def test_tool_round_trip_merges_without_drift(make_proxy, tok):
 
 
 def test_tool_call_in_other_format_is_drift_but_recorded_exactly(make_proxy, tok):
-    text = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    text = (
+        'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    )
     p = make_proxy(FakeEngine(tok, reply=_tool_reply(text)))
     r1, _ = _episode(p.client("t"))
     assert r1.choices[0].message.content == "Sure. "
     s = p.store.get("t")
     assert s.drift_events == 1
     first = s.trajectories()[0]
-    assert tok.decode(first.token_ids[first.turns[0].start:first.turns[0].end]).startswith(text)
+    assert tok.decode(first.token_ids[first.turns[0].start : first.turns[0].end]).startswith(text)
 
 
 def test_template_without_tools_gets_folded_schemas_and_no_drift(make_proxy, tok):
@@ -101,8 +122,11 @@ def test_template_without_tools_gets_folded_schemas_and_no_drift(make_proxy, tok
 def test_streamed_tool_call_deltas_have_index(make_proxy, tok):
     p = make_proxy(StreamingFakeEngine(tok, reply=_tool_reply("Checking." + CALL_TEXT)))
     stream = p.client().chat.completions.create(
-        model="agentrl", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
-        stream=True)
+        model="agentrl",
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=TOOLS,
+        stream=True,
+    )
     chunks = [validate_chunk(c.model_dump(exclude_unset=True)) for c in stream]
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
@@ -117,28 +141,37 @@ def test_streamed_tool_call_deltas_have_index(make_proxy, tok):
 def test_sdk_stream_helper_accumulates_tool_calls(make_proxy, tok):
     p = make_proxy(StreamingFakeEngine(tok, reply=_tool_reply(CALL_TEXT + CALL_TEXT)))
     with p.client().chat.completions.stream(
-        model="agentrl", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
+        model="agentrl",
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=TOOLS,
     ) as stream:
         final = stream.get_final_completion()
     calls = final.choices[0].message.tool_calls
     assert [c.function.name for c in calls] == ["get_weather", "get_weather"]
 
 
-@pytest.mark.parametrize("choice", ["auto", "required",
-                                    {"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize(
+    "choice", ["auto", "required", {"type": "function", "function": {"name": "get_weather"}}]
+)
 def test_tool_choice_values_accepted(make_proxy, tok, choice):
     p = make_proxy(FakeEngine(tok, reply=_tool_reply(CALL_TEXT)))
     r = p.client().chat.completions.create(
-        model="agentrl", messages=[{"role": "user", "content": "W?"}], tools=TOOLS,
-        tool_choice=choice)
+        model="agentrl",
+        messages=[{"role": "user", "content": "W?"}],
+        tools=TOOLS,
+        tool_choice=choice,
+    )
     assert r.choices[0].finish_reason == "tool_calls"
 
 
 def test_tool_choice_none_neither_renders_nor_parses(make_proxy, tok):
     p = make_proxy(FakeEngine(tok, reply=_tool_reply(CALL_TEXT)))
     r = p.client().chat.completions.create(
-        model="agentrl", messages=[{"role": "user", "content": "W?"}], tools=TOOLS,
-        tool_choice="none")
+        model="agentrl",
+        messages=[{"role": "user", "content": "W?"}],
+        tools=TOOLS,
+        tool_choice="none",
+    )
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == CALL_TEXT
     assert "<tools>" not in tok.decode(p.engine.requests[0][0])
 
@@ -146,5 +179,8 @@ def test_tool_choice_none_neither_renders_nor_parses(make_proxy, tok):
 def test_named_tool_choice_must_exist(proxy):
     with pytest.raises(openai.BadRequestError, match="not among the tools"):
         proxy.client().chat.completions.create(
-            model="agentrl", messages=[{"role": "user", "content": "W?"}], tools=TOOLS,
-            tool_choice={"type": "function", "function": {"name": "nope"}})
+            model="agentrl",
+            messages=[{"role": "user", "content": "W?"}],
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )

@@ -13,14 +13,22 @@ from trainers.config import TrainConfig, config_from_dict
 @pytest.mark.parametrize(
     ("argv", "match"),
     [
-        (["--env", "digits", "--rollout.n_samples_per_prompt", "1"],
-         r"group_norm needs a group: set --rollout.n_samples_per_prompt >= 2"),
-        (["--env", "digits", "--algo.estimator", "grpo_norm"],
-         r"--algo.estimator 'grpo_norm' is unknown. Did you mean 'group_norm'"),
-        (["--env", "digits", "--minibatches_per_step", "3"],
-         r"--minibatches_per_step 3 must divide the rollout batch .* = 32"),
-        (["--env", "digits", "--rollout.async_depth", "1"],
-         r"async_depth > 0 needs --rollout.mode placed"),
+        (
+            ["--env", "digits", "--rollout.n_samples_per_prompt", "1"],
+            r"group_norm needs a group: set --rollout.n_samples_per_prompt >= 2",
+        ),
+        (
+            ["--env", "digits", "--algo.estimator", "grpo_norm"],
+            r"--algo.estimator 'grpo_norm' is unknown. Did you mean 'group_norm'",
+        ),
+        (
+            ["--env", "digits", "--minibatches_per_step", "3"],
+            r"--minibatches_per_step 3 must divide the rollout batch .* = 32",
+        ),
+        (
+            ["--env", "digits", "--rollout.async_depth", "1"],
+            r"async_depth > 0 needs --rollout.mode placed",
+        ),
     ],
 )
 def test_conflicting_flags_fail_before_loading(argv, match, monkeypatch):
@@ -48,7 +56,9 @@ def test_precedence_flags_over_file_over_preset(tmp_path):
 
 
 def test_unknown_config_key_says_did_you_mean():
-    with pytest.raises(ValueError, match=r"unknown config key 'actor.lrr'; did you mean 'actor.lr'"):
+    with pytest.raises(
+        ValueError, match=r"unknown config key 'actor.lrr'; did you mean 'actor.lr'"
+    ):
         config_from_dict({"actor": {"lrr": 1}})
 
 
