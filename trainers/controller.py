@@ -187,7 +187,12 @@ class Trainer:
         try:
             metrics = self.policy.call("train", scored, self.kl_coef)  # type: ignore[union-attr]
         except Exception as e:
-            if "non-finite" not in str(e):
+            from trainers.policy import NonFiniteLossError
+
+            # Ray re-raises a worker's exception as an instance of its class too (and keeps it
+            # as `.cause`), so this holds for local and remote workers alike.
+            cause = getattr(e, "cause", None)
+            if not (isinstance(e, NonFiniteLossError) or isinstance(cause, NonFiniteLossError)):
                 raise
             return self._bad_step(e)
         self.step += 1

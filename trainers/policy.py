@@ -8,6 +8,7 @@ version bump.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import random
 import time
@@ -439,7 +440,8 @@ class PolicyWorker:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def export_hf(self, path: str) -> None:
-        weights = self.named_weights()  # a collective under FSDP2: every rank calls it
+        # Under FSDP2 gathering the full weights is a collective: every rank calls it.
+        weights = self.named_weights() if self.sharded else None
         if self.rank == 0:
             self.model.save_pretrained(path, state_dict=weights)
             self.tokenizer.save_pretrained(path)
@@ -476,15 +478,22 @@ def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
 def _trim_host_memory() -> None:
     """Give freed heap pages back to the OS (glibc keeps them otherwise): on CPU the KV cache
     freed by `engine.sleep()` would still count against the training step's peak memory."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's malloc_trim, looked up once (find_library runs ldconfig), or None elsewhere."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
-    if name:
-        try:
-            ctypes.CDLL(name).malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc
-            pass
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc
+        return None
 
 
 def _rng_state() -> dict[str, Any]:
