@@ -2,9 +2,10 @@
 
 The work (from the issue): SmolLM2-135M-Instruct (the embedded model, fp32, CPU), 8 chat
 prompts, 2 prompts per step x 4 generations, at most 32 new tokens, lr 1e-6, beta 0,
-temperature 1, reward -|20 - len(completion)| / 20, gradient checkpointing on both sides.
-Each side runs in its own subprocess so
-peak RSS is its own. Per-step time is the median over steps after the first (warm-up).
+temperature 1, reward -|20 - len(completion)| / 20. Each side runs with its own defaults
+otherwise: TRL's GRPOConfig turns gradient checkpointing on, agentrl leaves it off (its peak
+memory must still be no higher than TRL's; `--agentrl-gc` turns it on for agentrl too). Each
+side runs in its own subprocess so peak RSS is its own. Per-step time is the median over steps after the first (warm-up).
 
     .venv/bin/pip install -e ".[bench]"     # TRL 1.16 (not part of the default set-up)
     .venv/bin/python benchmarks/grpo_vs_trl.py --steps 6
@@ -37,7 +38,7 @@ def length_reward(text: str) -> float:
     return -abs(20 - len(text)) / 20
 
 
-def run_agentrl(steps: int, use_ray: bool) -> dict:
+def run_agentrl(steps: int, use_ray: bool, gc: bool) -> dict:
     import agentrl
     from trainers.config import ActorConfig, AlgoConfig, RolloutConfig, TrainConfig
     from trainers.controller import Trainer
@@ -51,8 +52,9 @@ def run_agentrl(steps: int, use_ray: bool) -> dict:
     run_dir = f"/tmp/agentrl-bench-{os.getpid()}"
     cfg = TrainConfig(
         env="bench/LengthReward-v0",
-        # Same memory/compute trade as the TRL config below (gradient_checkpointing=True).
-        actor=ActorConfig(model="smollm2-135m-instruct", lr=1e-6, gradient_checkpointing=True),
+        actor=ActorConfig(
+            model="smollm2-135m-instruct", lr=1e-6, gradient_checkpointing=gc
+        ),
         algo=AlgoConfig(estimator="group_norm", kl_coef=0.0),
         rollout=RolloutConfig(
             n_samples_per_prompt=4, prompts_per_step=2, max_new_tokens=32, temperature=1.0
@@ -130,20 +132,22 @@ def run_trl(steps: int) -> dict:
     return {"step_times": times, "total_s": time.perf_counter() - t0}
 
 
-def _child(which: str, steps: int, use_ray: bool) -> None:
+def _child(which: str, steps: int, use_ray: bool, gc: bool) -> None:
     import torch
 
     torch.set_num_threads(os.cpu_count() or 2)
-    out = run_trl(steps) if which == "trl" else run_agentrl(steps, use_ray)
+    out = run_trl(steps) if which == "trl" else run_agentrl(steps, use_ray, gc)
     # ru_maxrss covers this process; Ray workers are separate processes (use_ray=False here).
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(out))
 
 
-def _spawn(which: str, steps: int, use_ray: bool) -> dict:
+def _spawn(which: str, steps: int, use_ray: bool, gc: bool) -> dict:
     cmd = [sys.executable, __file__, "--child", which, "--steps", str(steps)]
     if use_ray:
         cmd.append("--ray")
+    if gc:
+        cmd.append("--agentrl-gc")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -158,11 +162,17 @@ def main() -> None:
     p.add_argument(
         "--ray", action="store_true", help="agentrl with Ray actors (RSS not comparable)"
     )
+    p.add_argument(
+        "--agentrl-gc",
+        action="store_true",
+        help="gradient checkpointing on the agentrl side too (TRL's GRPOConfig has it on by "
+        "default; agentrl's default is off, memory permitting)",
+    )
     args = p.parse_args()
     if args.child:
-        _child(args.child, args.steps, args.ray)
+        _child(args.child, args.steps, args.ray, args.agentrl_gc)
         return
-    res = {name: _spawn(name, args.steps, args.ray) for name in ("trl", "agentrl")}
+    res = {name: _spawn(name, args.steps, args.ray, args.agentrl_gc) for name in ("trl", "agentrl")}
     print(f"steps={args.steps} (median over steps 2..{args.steps}), cpus={os.cpu_count()}")
     med = {}
     for name, r in res.items():

@@ -84,15 +84,94 @@ def length_sorted(batch: RolloutBatch, indices: Sequence[int]) -> list[int]:
     return sorted(indices, key=lambda i: int(batch.lengths[i]))
 
 
-def packed_inputs(batch: RolloutBatch, idx: Tensor) -> tuple[Tensor, Tensor, list[int]]:
-    """Concatenate rows `idx` into one row with per-sequence position ids (no padding).
+def group_sorted(batch: RolloutBatch, indices: Sequence[int]) -> list[int]:
+    """Indices with each group's rows together (then by length), so that a packed micro-batch
+    holds whole groups and their shared prompt is encoded once (see `pack`)."""
+    return sorted(indices, key=lambda i: (int(batch.group_ids[i]), int(batch.lengths[i])))
 
-    transformers builds a block-diagonal causal mask from position ids that restart at 0 when
-    no attention mask and no cache are passed, so each sequence attends only to itself.
-    Returns (input_ids [1, L], position_ids [1, L], lengths).
+
+@dataclass
+class Packed:
+    """Rows of a micro-batch concatenated into one padding-free sequence."""
+
+    input_ids: Tensor
+    """[1, L] token ids."""
+    position_ids: Tensor
+    """[1, L] position of each token in its own sequence."""
+    attention_mask: Tensor | None
+    """[1, 1, L, L] bool (True: may attend) when prefixes are shared; None otherwise, and
+    transformers derives the block-diagonal causal mask from the restarting position ids."""
+    index: Tensor
+    """[rows, n] where token t of each row sits in the packed sequence."""
+
+    @property
+    def shared_tokens(self) -> int:
+        """Tokens saved by sharing prefixes (0 without sharing)."""
+        return int((self.index >= 0).sum()) - self.input_ids.shape[1]
+
+
+def pack(batch: RolloutBatch, idx: Tensor, n: int, *, share_prefixes: bool = True,
+         min_shared: int = 8) -> Packed:
+    """Concatenate rows `idx` (trimmed to `n` tokens) into one sequence without padding.
+
+    With `share_prefixes`, the rows of one group (samples of the same prompt) store their
+    longest common prefix once: [prefix, rest of row 1, rest of row 2, ...], each rest attending
+    to the prefix and to itself. The prefix's hidden states are the same for every row (same
+    tokens, same positions), so logprobs and gradients are those of the unshared rows while the
+    prompt is encoded once per group instead of once per sample: in GRPO-style batches the
+    prompt is often half of the tokens. Groups sharing fewer than `min_shared` tokens are packed
+    whole.
     """
-    lengths = [int(batch.lengths[i]) for i in idx]
-    ids = torch.cat([batch.input_ids[i, :n] for i, n in zip(idx.tolist(), lengths, strict=True)])
-    pos = torch.cat([torch.arange(n) for n in lengths])
-    return ids[None], pos[None], lengths
+    rows = idx.tolist()
+    lengths = [int(batch.lengths[i]) for i in rows]
+    buckets: dict[int, list[int]] = {}
+    for u, r in enumerate(rows):
+        key = int(batch.group_ids[r]) if share_prefixes else -1 - u
+        buckets.setdefault(key, []).append(u)
+    ids_parts, pos_parts, seg_parts, owner_parts = [], [], [], []
+    index = torch.full((len(rows), n), -1, dtype=torch.long)
+    offset = 0
+    for seg, members in enumerate(buckets.values()):
+        shared = 0
+        if len(members) > 1:
+            seqs = [batch.input_ids[rows[u], : lengths[u]] for u in members]
+            shared = _common_prefix(seqs)
+            if shared < min_shared:
+                shared = 0
+        if shared:
+            ids_parts.append(batch.input_ids[rows[members[0]], :shared])
+            pos_parts.append(torch.arange(shared))
+            seg_parts.append(torch.full((shared,), seg))
+            owner_parts.append(torch.full((shared,), -1))
+            for u in members:
+                index[u, :shared] = torch.arange(offset, offset + shared)
+            offset += shared
+        for u in members:
+            m = lengths[u] - shared
+            ids_parts.append(batch.input_ids[rows[u], shared : lengths[u]])
+            pos_parts.append(torch.arange(shared, lengths[u]))
+            seg_parts.append(torch.full((m,), seg))
+            owner_parts.append(torch.full((m,), u))
+            index[u, shared : lengths[u]] = torch.arange(offset, offset + m)
+            offset += m
+    ids, pos = torch.cat(ids_parts)[None], torch.cat(pos_parts)[None]
+    mask = None
+    if offset < sum(lengths):
+        seg_ids, owner, p = torch.cat(seg_parts), torch.cat(owner_parts), pos[0]
+        mask = (
+            (seg_ids[:, None] == seg_ids[None, :])
+            & (p[None, :] <= p[:, None])
+            & ((owner[None, :] == -1) | (owner[None, :] == owner[:, None]))
+        )[None, None]
+    return Packed(ids, pos, mask, index)
 
+
+def _common_prefix(seqs: Sequence[Tensor]) -> int:
+    """Length of the longest prefix shared by all sequences."""
+    width = min(len(s) for s in seqs)
+    first = seqs[0][:width]
+    same = torch.ones(width, dtype=torch.bool)
+    for s in seqs[1:]:
+        same &= s[:width] == first
+    diff = (~same).nonzero()
+    return int(diff[0]) if len(diff) else width

@@ -4,7 +4,8 @@ Each of `num_policy_workers` Ray actors holds one shard of the parameters and op
 (`torch.distributed.fsdp.fully_shard`, gloo on CPU, NCCL on GPU) and trains on its slice of the
 rollout batch. Advantages are computed on the whole batch (gathered to every rank, so group
 baselines and whitening see all sequences) and every loss is normalised by global counts, so a
-step on N ranks matches a step on one (tested).
+step on N ranks matches a step on one (tested). The critic (PPO) is sharded and trained the
+same way; the reference model is sharded too.
 """
 
 from __future__ import annotations

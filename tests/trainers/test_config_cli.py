@@ -9,6 +9,10 @@ import pytest
 from trainers.cli import build_config, main
 from trainers.config import TrainConfig, config_from_dict
 
+# Two ranks, placed rollouts; append the backend name.
+DATA_PARALLEL = ["--env", "digits", "--num_policy_workers", "2", "--rollout.mode", "placed",
+                 "--backend"]
+
 
 @pytest.mark.parametrize(
     ("argv", "match"),
@@ -29,6 +33,10 @@ from trainers.config import TrainConfig, config_from_dict
             ["--env", "digits", "--rollout.async_depth", "1"],
             r"async_depth > 0 needs --rollout.mode placed",
         ),
+        (
+            [*DATA_PARALLEL, "deepspeed", "--zero_stage", "4"],
+            r"--zero_stage must be 1, 2 or 3 \(.*\), got 4",
+        ),
     ],
 )
 def test_conflicting_flags_fail_before_loading(argv, match, monkeypatch):
@@ -37,6 +45,15 @@ def test_conflicting_flags_fail_before_loading(argv, match, monkeypatch):
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model was loaded"))
     with pytest.raises(ValueError, match=match):
         build_config(argv)
+
+
+@pytest.mark.parametrize(
+    ("backend", "extra"), [("fsdp2", []), ("deepspeed", ["--zero_stage", "3"])]
+)
+def test_data_parallel_backends_take_the_critic_and_zero3(backend, extra):
+    cfg = build_config([*DATA_PARALLEL, backend, "--algo.estimator", "gae", *extra])
+    assert (cfg.backend, cfg.algo.estimator, cfg.num_policy_workers) == (backend, "gae", 2)
+    assert cfg.zero_stage == (3 if extra else 2)
 
 
 def test_cli_prints_error_and_returns_2(capsys):

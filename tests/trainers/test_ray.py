@@ -63,39 +63,75 @@ def test_colocated_ray_run_and_dead_actor(ray_cluster, make_cfg):
     assert load_checkpoint(good)[1]["step"] == 2
 
 
-@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
-def test_two_ranks_match_one_process(ray_cluster, make_cfg, recorded_rollouts, tmp_path, backend):
-    """Two data-parallel ranks (gloo) training on halves of a batch give the update of one
-    process on the whole batch: advantages see all groups, losses use global counts."""
-    if backend == "deepspeed":
+PPO = {"estimator": "gae", "critic_lr": 3e-3}
+DATA_PARALLEL = {
+    "fsdp2": {"backend": "fsdp2"},
+    "zero2": {"backend": "deepspeed", "zero_stage": 2},
+    "fsdp2-ppo": {"backend": "fsdp2", "algo": PPO},
+    "zero3-ppo": {"backend": "deepspeed", "zero_stage": 3, "algo": PPO},
+}
+
+
+@pytest.mark.parametrize("case", list(DATA_PARALLEL))
+def test_two_ranks_match_one_process(ray_cluster, make_cfg, recorded_rollouts, tmp_path, case):
+    """Two data-parallel ranks (gloo) training on halves of a batch give the updates of one
+    process on the whole batch: advantages see all groups, losses use global counts, the critic
+    (ppo cases) trains like the policy. Two micro-batches per rank, so gradient accumulation
+    (which ZeRO-3 only gets right through its engine) is exercised; two updates, so the second
+    uses the values of a trained critic."""
+    options = dict(DATA_PARALLEL[case])
+    if options["backend"] == "deepspeed":
         pytest.importorskip("deepspeed")
     import torch
+    from transformers import AutoModelForCausalLM
 
     from agentrl.types import load_jsonl
     from trainers.policy import PolicyWorker
 
-    trajs = load_jsonl(recorded_rollouts)[:32]
-    local = PolicyWorker(make_cfg(), with_engine=False)
-    local_metrics = local.train(trajs, 0.0)
+    trajs = load_jsonl(recorded_rollouts)
+    batches = [trajs[:32], trajs[32:64]]
+    algo = options.pop("algo", {})
+    cfg = make_cfg(use_ray=True, num_policy_workers=2, micro_batch_size=8, algo=algo,
+                   rollout={"mode": "placed"}, run_dir=str(tmp_path / case), **options)
+    trainer = Trainer(cfg)
+    trainer._start_workers()  # the ranks start up while the one-process reference trains
+    local = PolicyWorker(make_cfg(micro_batch_size=8, algo=algo), with_engine=False)
+    local_metrics = [local.train(b, 0.0) for b in batches]
     want = local.named_weights()
 
-    cfg = make_cfg(use_ray=True, backend=backend, num_policy_workers=2,
-                   rollout={"mode": "placed"}, run_dir=str(tmp_path / backend))
-    trainer = Trainer(cfg)
-    trainer._start_workers()
-    metrics = trainer.policy.call("train", trajs, 0.0)
+    metrics = [trainer.policy.call("train", batches[0], 0.0)]
+    first = trainer.policy.call("state_dict")
+    metrics.append(trainer.policy.call("train", batches[1], 0.0))
     got = trainer.policy.call("named_weights")
-    assert metrics["loss"] == pytest.approx(local_metrics["loss"], rel=1e-4, abs=1e-6)
-    assert metrics["grad_norm"] == pytest.approx(local_metrics["grad_norm"], rel=1e-3)
+    for m, lm in zip(metrics, local_metrics, strict=True):
+        assert m["loss"] == pytest.approx(lm["loss"], rel=1e-4, abs=1e-6)
+        assert m["grad_norm"] == pytest.approx(lm["grad_norm"], rel=1e-3)
+        if algo:
+            assert m["value_loss"] == pytest.approx(lm["value_loss"], rel=1e-4, abs=1e-8)
+    # Adam turns float-rounding differences of near-zero gradients into up to ~1% of one step
+    # (lr 3e-3); anything structurally wrong is off by whole steps.
+    assert got.keys() == want.keys()
     for k in want:
-        # Adam turns float-rounding differences of near-zero gradients into up to ~1% of one
-        # step (lr 3e-3); anything structurally wrong is off by whole steps.
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4)
-    # Checkpoint state round-trips, and export writes a loadable model directory.
     state = trainer.policy.call("state_dict")
-    assert state["model"].keys() == want.keys()
-    if backend == "deepspeed":
-        assert len(state["optimizer"]) == 2  # one ZeRO partition per rank
-    trainer.policy.call("load_state_dict", state)
+    if algo:
+        critic = local.critic.state_dict()
+        assert state["critic"].keys() == critic.keys()
+        for k in critic:
+            torch.testing.assert_close(state["critic"][k], critic[k], rtol=1e-4, atol=1e-4)
+
+    # Checkpoints hold full tensors; loading the one taken after the first update brings its
+    # weights back onto the shards / ZeRO partitions of every rank.
+    assert first["model"].keys() == want.keys()
+    if options["backend"] == "deepspeed":
+        assert len(first["optimizer"]) == 2  # one ZeRO partition per rank
+    trainer.policy.call("load_state_dict", first)
+    again = trainer.policy.call("state_dict")
+    for name in ("model", "critic") if algo else ("model",):
+        assert not all(torch.equal(first[name][k], state[name][k]) for k in first[name])
+        for k in first[name]:
+            assert torch.equal(again[name][k], first[name][k]), (name, k)
     trainer.policy.call("export_hf", str(tmp_path / "hf"))
-    assert (tmp_path / "hf" / "config.json").exists()
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).state_dict()
+    for k in want:
+        assert torch.equal(exported[k], first["model"][k]), k

@@ -144,33 +144,50 @@ def test_plot_writes_pngs(make_cfg, recorded_rollouts):
     assert (Path(cfg.run_dir) / "plots" / "reward.png").stat().st_size > 1000
 
 
-def test_packing_gives_the_same_update_as_padding(make_cfg, recorded_rollouts):
+LAYOUTS = {  # how a micro-batch reaches the model
+    "shared": dict(packing=True, share_prefixes=True),
+    "packed": dict(packing=True, share_prefixes=False),
+    "padded": dict(packing=False),
+}
+
+
+def test_packing_and_prefix_sharing_give_the_same_update_as_padding(make_cfg, recorded_rollouts):
     from agentrl.types import load_jsonl
     from trainers.policy import PolicyWorker
 
     trajs = load_jsonl(recorded_rollouts)[:32]
-    metrics = []
-    for packing in (True, False):
-        worker = PolicyWorker(make_cfg(packing=packing, micro_batch_size=8), with_engine=False)
-        metrics.append(worker.train(trajs, 0.0))
-    assert metrics[0]["loss"] == pytest.approx(metrics[1]["loss"], rel=1e-4, abs=1e-6)
-    assert metrics[0]["entropy"] == pytest.approx(metrics[1]["entropy"], rel=1e-4)
-    assert metrics[0]["grad_norm"] == pytest.approx(metrics[1]["grad_norm"], rel=1e-3)
+    metrics, weights = {}, {}
+    for name, layout in LAYOUTS.items():
+        worker = PolicyWorker(make_cfg(micro_batch_size=8, **layout), with_engine=False)
+        metrics[name] = worker.train(trajs, 0.0)
+        weights[name] = worker.named_weights()
+    assert metrics["shared"]["shared_prompt_tokens"] > 0
+    assert metrics["packed"]["shared_prompt_tokens"] == 0
+    for name in ("shared", "packed"):
+        got, ref = metrics[name], metrics["padded"]
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4, abs=1e-6)
+        assert got["entropy"] == pytest.approx(ref["entropy"], rel=1e-4)
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3)
+        # Adam's first step moves each weight by about lr = 3e-3 whatever the gradient's size,
+        # so a wrong gradient shows as differences of that order; round-off stays far below.
+        for k, w in weights["padded"].items():
+            torch.testing.assert_close(weights[name][k], w, atol=3e-5, rtol=0)
 
 
-@pytest.mark.parametrize("packing", [True, False])
-def test_forward_matches_a_plain_forward_at_policy_tokens(make_cfg, recorded_rollouts, packing):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_forward_matches_a_plain_forward_at_policy_tokens(make_cfg, recorded_rollouts, layout):
     from agentrl.types import load_jsonl
     from trainers.batch import collate
     from trainers.policy import PolicyWorker
 
-    worker = PolicyWorker(make_cfg(packing=packing), with_engine=False)
+    worker = PolicyWorker(make_cfg(**LAYOUTS[layout]), with_engine=False)
     trajs = load_jsonl(recorded_rollouts)[:6]
     batch = collate(trajs, worker.pad_id)
     idx = torch.arange(6)
     n = int(batch.lengths.max())
     with torch.no_grad():
         logp, _ = worker._forward(worker.model, batch, idx, n)
+        assert (worker.shared_tokens > 0) == (layout == "shared")
         for b, traj in enumerate(trajs):
             ids = torch.tensor([traj.token_ids])
             ref = torch.log_softmax(worker.model(input_ids=ids).logits[0, :-1], -1)
@@ -179,3 +196,37 @@ def test_forward_matches_a_plain_forward_at_policy_tokens(make_cfg, recorded_rol
             # ... and with the sampler's logprobs (same weights, fp32, temperature 1).
             sel = batch.mask[b].bool()
             torch.testing.assert_close(logp[b][sel], batch.rollout_logp[b][sel], atol=1e-4, rtol=0)
+
+
+def test_bf16_mixed_precision_computes_in_bf16_over_float32_weights(make_cfg, recorded_rollouts):
+    from agentrl.types import load_jsonl
+    from trainers.batch import collate
+    from trainers.policy import PolicyWorker
+
+    trajs = load_jsonl(recorded_rollouts)[:16]
+    full = PolicyWorker(make_cfg(micro_batch_size=8), with_engine=False)
+    mixed = PolicyWorker(
+        make_cfg(micro_batch_size=8, actor={"mixed_precision": "bf16"}), with_engine=False
+    )
+    batch = collate(trajs, full.pad_id)
+    idx, n = torch.arange(len(trajs)), int(batch.lengths.max())
+    with torch.no_grad():
+        diff = (mixed._forward(mixed.model, batch, idx, n)[0]
+                - full._forward(full.model, batch, idx, n)[0]).abs()[batch.mask.bool()]
+    # Same weights, bf16 matmuls: logprobs differ at bf16 precision, not more, not less.
+    assert 1e-3 < float(diff.max()) < 0.3 and float(diff.mean()) < 0.05
+    m_full, m_mixed = full.train(trajs, 0.0), mixed.train(trajs, 0.0)
+    assert m_mixed["loss"] == pytest.approx(m_full["loss"], abs=0.05)
+    assert m_mixed["grad_norm"] == pytest.approx(m_full["grad_norm"], rel=0.1)
+    # ... while the weights and the optimizer state stay float32.
+    assert all(p.dtype == torch.float32 for p in mixed.model.parameters())
+    assert all(
+        s.dtype == torch.float32 for st in mixed.optimizer.state.values() for s in st.values()
+    )
+
+
+def test_bf16_mixed_precision_needs_float32_weights():
+    from trainers.config import ActorConfig
+
+    with pytest.raises(ValueError, match="--actor.mixed_precision bf16.*--actor.dtype float32"):
+        ActorConfig(mixed_precision="bf16", dtype="bfloat16")
