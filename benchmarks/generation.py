@@ -8,6 +8,7 @@ peak RSS (ru_maxrss) is comparable.
 
     python benchmarks/generation.py                         # CPU: 32 prompts x 4, 128 tokens
     python benchmarks/generation.py --device cuda --prompts 256 --samples 8
+    python benchmarks/generation.py --no-lean-decode        # engine without agentrl.engine.llama
 """
 
 from __future__ import annotations
@@ -66,7 +67,12 @@ def run_engine(model, tok, prompts, args) -> dict:
     from agentrl.types import SamplingParams
 
     engine = TransformersEngine(
-        model, tok, max_batch_size=args.max_batch_size, device=args.device, seed=0
+        model,
+        tok,
+        max_batch_size=args.max_batch_size,
+        device=args.device,
+        seed=0,
+        lean_decode=not args.no_lean_decode,
     )
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, n=args.samples
@@ -151,6 +157,11 @@ def main() -> None:
     ap.add_argument("--max-batch-size", type=int, default=64, help="engine slots")
     ap.add_argument(
         "--baseline-batch", type=int, default=0, help="rows per generate call (0 = all)"
+    )
+    ap.add_argument(
+        "--no-lean-decode",
+        action="store_true",
+        help="engine decodes through the model's forward, not agentrl.engine.llama",
     )
     ap.add_argument("--child", choices=["engine", "baseline"], help=argparse.SUPPRESS)
     args = ap.parse_args()

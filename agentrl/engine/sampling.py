@@ -48,7 +48,8 @@ def processed_logprobs(
     logits_B_V = logits_B_V.float()
     greedy_B = temperature_B <= 0
     temp_B = torch.where(greedy_B, torch.ones_like(temperature_B), temperature_B)
-    scaled_B_V = logits_B_V / temp_B[:, None]
+    # x / 1 == x exactly: skip a pass over [B, V] in the common all-T=1 batch.
+    scaled_B_V = logits_B_V if bool((temp_B == 1).all()) else logits_B_V / temp_B[:, None]
     needs_filter_B = ~greedy_B & ((top_k_B > 0) | (top_p_B < 1.0))
     if bool(needs_filter_B.any()):
         rows = needs_filter_B.nonzero().squeeze(-1)
@@ -81,7 +82,9 @@ def sample_tokens(
     sampled_B = torch.searchsorted(cdf_B_V, target_B[:, None]).squeeze(-1)
     sampled_B = sampled_B.clamp(max=logits_B_V.shape[-1] - 1)
     greedy_B = temperature_B <= 0
-    tokens_B = torch.where(greedy_B, logits_B_V.argmax(dim=-1), sampled_B)
+    tokens_B = sampled_B
+    if bool(greedy_B.any()):
+        tokens_B = torch.where(greedy_B, logits_B_V.argmax(dim=-1), sampled_B)
     lp_B = logp_B_V.gather(-1, tokens_B[:, None]).squeeze(-1)
     if bool(raw_B.any()):
         raw_lp_B = torch.log_softmax(logits_B_V, dim=-1).gather(-1, tokens_B[:, None]).squeeze(-1)
