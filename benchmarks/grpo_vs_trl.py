@@ -5,10 +5,12 @@ prompts, 2 prompts per step x 4 generations, at most 32 new tokens, lr 1e-6, bet
 temperature 1, reward -|20 - len(completion)| / 20. Each side runs with its own defaults
 otherwise: TRL's GRPOConfig turns gradient checkpointing on, agentrl leaves it off (its peak
 memory must still be no higher than TRL's; `--agentrl-gc` turns it on for agentrl too). Each
-side runs in its own subprocess so peak RSS is its own. Per-step time is the median over steps after the first (warm-up).
+side runs in its own subprocess so peak RSS is its own. Per-step time is the median over steps
+after the first (warm-up); with --rounds N the two sides alternate N times and the speedup is the
+median of the rounds' ratios (this VM's speed drifts between minutes).
 
     .venv/bin/pip install -e ".[bench]"     # TRL 1.16 (not part of the default set-up)
-    .venv/bin/python benchmarks/grpo_vs_trl.py --steps 6
+    .venv/bin/python benchmarks/grpo_vs_trl.py --steps 8 --rounds 3
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def length_reward(text: str) -> float:
     return -abs(20 - len(text)) / 20
 
 
-def run_agentrl(steps: int, use_ray: bool, gc: bool) -> dict:
+def run_agentrl(steps: int, use_ray: bool, gc: bool, bf16: bool) -> dict:
     import agentrl
     from trainers.config import ActorConfig, AlgoConfig, RolloutConfig, TrainConfig
     from trainers.controller import Trainer
@@ -53,7 +55,10 @@ def run_agentrl(steps: int, use_ray: bool, gc: bool) -> dict:
     cfg = TrainConfig(
         env="bench/LengthReward-v0",
         actor=ActorConfig(
-            model="smollm2-135m-instruct", lr=1e-6, gradient_checkpointing=gc
+            model="smollm2-135m-instruct",
+            lr=1e-6,
+            gradient_checkpointing=gc,
+            mixed_precision="bf16" if bf16 else "no",
         ),
         algo=AlgoConfig(estimator="group_norm", kl_coef=0.0),
         rollout=RolloutConfig(
@@ -71,10 +76,14 @@ def run_agentrl(steps: int, use_ray: bool, gc: bool) -> dict:
     Trainer(cfg).run()
     total = time.perf_counter() - t0
     rows = [json.loads(x) for x in open(f"{run_dir}/metrics.jsonl")]
-    return {"step_times": [r["time_step"] for r in rows], "total_s": total}
+    return {
+        "step_times": [r["time_step"] for r in rows],
+        "phases": {k: [r[f"time_{k}"] for r in rows] for k in ("rollout", "update")},
+        "total_s": total,
+    }
 
 
-def run_trl(steps: int) -> dict:
+def run_trl(steps: int, bf16: bool) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -111,7 +120,7 @@ def run_trl(steps: int) -> dict:
         temperature=1.0,
         seed=42,
         use_vllm=False,
-        bf16=False,
+        bf16=bf16,
         fp16=False,
         use_cpu=True,
         gradient_checkpointing=True,
@@ -132,23 +141,23 @@ def run_trl(steps: int) -> dict:
     return {"step_times": times, "total_s": time.perf_counter() - t0}
 
 
-def _child(which: str, steps: int, use_ray: bool, gc: bool) -> None:
+def _child(opts: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(os.cpu_count() or 2)
-    out = run_trl(steps) if which == "trl" else run_agentrl(steps, use_ray, gc)
+    if opts.child == "trl":
+        out = run_trl(opts.steps, opts.bf16)
+    else:
+        out = run_agentrl(opts.steps, opts.ray, opts.agentrl_gc, opts.bf16)
     # ru_maxrss covers this process; Ray workers are separate processes (use_ray=False here).
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(out))
 
 
-def _spawn(which: str, steps: int, use_ray: bool, gc: bool) -> dict:
-    cmd = [sys.executable, __file__, "--child", which, "--steps", str(steps)]
-    if use_ray:
-        cmd.append("--ray")
-    if gc:
-        cmd.append("--agentrl-gc")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def _spawn(which: str, argv: list[str]) -> dict:
+    proc = subprocess.run(
+        [sys.executable, __file__, *argv, "--child", which], capture_output=True, text=True
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
@@ -158,6 +167,7 @@ def _spawn(which: str, steps: int, use_ray: bool, gc: bool) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=1, help="alternate TRL and agentrl this often")
     p.add_argument("--child", choices=["agentrl", "trl"])
     p.add_argument(
         "--ray", action="store_true", help="agentrl with Ray actors (RSS not comparable)"
@@ -168,23 +178,45 @@ def main() -> None:
         help="gradient checkpointing on the agentrl side too (TRL's GRPOConfig has it on by "
         "default; agentrl's default is off, memory permitting)",
     )
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="both sides in bf16 mixed precision (TRL: bf16=True, its GRPOConfig default; "
+        "agentrl: --actor.mixed_precision bf16) instead of the issue's fp32",
+    )
     args = p.parse_args()
     if args.child:
-        _child(args.child, args.steps, args.ray, args.agentrl_gc)
+        _child(args)
         return
-    res = {name: _spawn(name, args.steps, args.ray, args.agentrl_gc) for name in ("trl", "agentrl")}
-    print(f"steps={args.steps} (median over steps 2..{args.steps}), cpus={os.cpu_count()}")
-    med = {}
-    for name, r in res.items():
-        med[name] = statistics.median(r["step_times"][1:] or r["step_times"])
-        steps_s = ", ".join(f"{t:.2f}" for t in r["step_times"])
-        print(
-            f"{name:8s} median {med[name]:6.2f} s/step  peak RSS {r['peak_rss_mb']:7.0f} MB"
-            f"  steps [{steps_s}]"
-        )
+    # The VM's speed drifts by tens of percent between minutes: alternate the two sides and
+    # compare each round's pair, rather than one long run of each.
+    rounds = [{name: _spawn(name, sys.argv[1:]) for name in ("trl", "agentrl")}
+              for _ in range(args.rounds)]
+    precision = "bf16 mixed" if args.bf16 else "fp32"
     print(
-        f"speedup agentrl vs TRL: {med['trl'] / med['agentrl']:.2f}x per step; "
-        f"memory ratio agentrl/TRL: {res['agentrl']['peak_rss_mb'] / res['trl']['peak_rss_mb']:.2f}"
+        f"steps={args.steps} (median over steps 2..{args.steps}), rounds={args.rounds}, "
+        f"cpus={os.cpu_count()}, {precision}, agentrl gradient checkpointing "
+        f"{'on' if args.agentrl_gc else 'off'}"
+    )
+    speedups, mem_ratios = [], []
+    for k, res in enumerate(rounds):
+        med = {}
+        for name, r in res.items():
+            med[name] = statistics.median(r["step_times"][1:] or r["step_times"])
+            steps_s = ", ".join(f"{t:.2f}" for t in r["step_times"])
+            print(
+                f"round {k + 1} {name:8s} median {med[name]:6.2f} s/step  peak RSS "
+                f"{r['peak_rss_mb']:7.0f} MB  steps [{steps_s}]"
+            )
+            for phase, times in r.get("phases", {}).items():
+                print(f"{'':17s}{phase:8s} median {statistics.median(times[1:] or times):.2f} s")
+        speedups.append(med["trl"] / med["agentrl"])
+        mem_ratios.append(res["agentrl"]["peak_rss_mb"] / res["trl"]["peak_rss_mb"])
+        print(f"round {k + 1} speedup {speedups[-1]:.2f}x, memory ratio {mem_ratios[-1]:.2f}")
+    print(
+        f"speedup agentrl vs TRL: {statistics.median(speedups):.2f}x per step (median of "
+        f"rounds: {', '.join(f'{x:.2f}' for x in speedups)}); memory ratio agentrl/TRL: "
+        f"{max(mem_ratios):.2f} (worst round)"
     )
 
 

@@ -267,9 +267,15 @@ def logprobs_from_logits(
     _check_temperature(temperature)
     rows = []
     for logits_TV, labels_T in zip(logits_BTV, labels_BT, strict=True):
-        logp_TV = torch.log_softmax(logits_TV.float() / temperature, dim=-1)
+        logp_TV = torch.log_softmax(_scaled(logits_TV, temperature), dim=-1)
         rows.append(logp_TV.gather(-1, labels_T.long().unsqueeze(-1)).squeeze(-1))
     return torch.stack(rows) if rows else logits_BTV.new_zeros(labels_BT.shape, dtype=torch.float)
+
+
+def _scaled(logits_TV: Tensor, temperature: float) -> Tensor:
+    """float32 logits / temperature (no [T, V] division at temperature 1: x / 1 == x)."""
+    z_TV = logits_TV.float()
+    return z_TV if temperature == 1.0 else z_TV / temperature
 
 
 def entropy_from_logits(logits_BTV: Tensor, *, temperature: float = 1.0) -> Tensor:
@@ -281,7 +287,7 @@ def entropy_from_logits(logits_BTV: Tensor, *, temperature: float = 1.0) -> Tens
     _check_temperature(temperature)
     rows = []
     for logits_TV in logits_BTV:
-        z_TV = logits_TV.float() / temperature
+        z_TV = _scaled(logits_TV, temperature)
         probs_TV = torch.softmax(z_TV, dim=-1)
         rows.append(torch.logsumexp(z_TV, dim=-1) - (probs_TV * z_TV).sum(-1))
     return torch.stack(rows) if rows else logits_BTV.new_zeros(logits_BTV.shape[:2],
