@@ -230,3 +230,39 @@ def test_bf16_mixed_precision_needs_float32_weights():
 
     with pytest.raises(ValueError, match="--actor.mixed_precision bf16.*--actor.dtype float32"):
         ActorConfig(mixed_precision="bf16", dtype="bfloat16")
+
+
+def test_prefix_sharing_handles_identical_and_short_prefixes(make_cfg):
+    """Identical samples (the whole row is the shared prefix), a group whose common prefix is
+    too short to share, and a singleton: logprobs equal to one plain forward per row."""
+    from agentrl.types import Trajectory, Turn
+    from trainers.batch import collate, pack
+    from trainers.policy import PolicyWorker
+
+    worker = PolicyWorker(make_cfg(), with_engine=False)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(5, 200, (12,), generator=g).tolist()
+    rows = {  # group -> token rows
+        "a": [prompt + [7, 8, 9], prompt + [7, 8, 9]],  # identical: all 15 tokens shared
+        "b": [[3, 4, 5, 6], [3, 4, 9, 9, 9]],  # shares 2 tokens: below min_shared
+        "c": [prompt[:5] + [1, 2]],
+        "d": [prompt + [5, 6], prompt + [5, 7, 7]],  # 13 shared
+    }
+    trajs = [
+        Trajectory(token_ids=ids, loss_mask=[0] * 3 + [1] * (len(ids) - 3),
+                   logprobs=[0.0] * len(ids),
+                   turns=[Turn(obs_start=0, start=3, end=len(ids), reward=1.0)],
+                   group=group)
+        for group, members in rows.items() for ids in members
+    ]
+    batch = collate(trajs, worker.pad_id)
+    idx, n = torch.arange(len(trajs)), int(batch.lengths.max())
+    packed = pack(batch, idx, n)
+    assert packed.shared_tokens == 15 + 13
+    with torch.no_grad():
+        logp, _ = worker._forward(worker.model, batch, idx, n)
+        for b, traj in enumerate(trajs):
+            ids = torch.tensor([traj.token_ids])
+            ref = torch.log_softmax(worker.model(input_ids=ids).logits[0, :-1], -1)
+            ref = ref.gather(-1, ids[0, 1:, None])[:, 0] * batch.mask[b, : ids.shape[1] - 1]
+            torch.testing.assert_close(logp[b, : ids.shape[1] - 1], ref, atol=1e-5, rtol=0)
