@@ -32,7 +32,7 @@ def build_config(argv: list[str]) -> TrainConfig:
         file_cfg = json.loads(path.read_text())
     env = known.env or file_cfg.get("env") or TrainConfig().env
     base = config_from_dict(file_cfg, preset_for(env))
-    rest = _drop_flag(argv, "--config")
+    rest = _bool_values(_drop_flag(argv, "--config"))
 
     import tyro
 
@@ -49,6 +49,35 @@ def build_config(argv: list[str]) -> TrainConfig:
             use_underscores=True,
         )
     return validate(cfg)
+
+
+def _bool_flags(cls: type, prefix: str = "--") -> set[str]:
+    """The flags of boolean fields of a config dataclass, nested sections included."""
+    import dataclasses
+    import typing
+
+    flags = set()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if kind is bool:
+            flags.add(prefix + f.name)
+        elif dataclasses.is_dataclass(kind):
+            flags |= _bool_flags(kind, f"{prefix}{f.name}.")
+    return flags
+
+
+def _bool_values(argv: list[str]) -> list[str]:
+    """Accept any case for boolean values (`--use_ray false`), as tyro takes only True/False."""
+    flags, out = _bool_flags(TrainConfig), []
+    for i, a in enumerate(argv):
+        flag, eq, value = a.partition("=")
+        if eq and flag in flags and value.lower() in ("true", "false"):
+            a = f"{flag}={value.capitalize()}"
+        elif i and argv[i - 1] in flags and a.lower() in ("true", "false"):
+            a = a.capitalize()
+        out.append(a)
+    return out
 
 
 def _drop_flag(argv: list[str], flag: str) -> list[str]:

@@ -83,3 +83,13 @@ def test_default_is_math_tir_preset():
     cfg = build_config([])
     assert cfg.env == "math-tir" and cfg.actor.model == "smollm2-135m-instruct"
     assert cfg.eval_problems > 0 and cfg == TrainConfig(**cfg.__dict__)
+
+
+def test_boolean_flags_take_any_case_and_strings_stay_as_typed():
+    cfg = build_config(["--env", "digits", "--use_ray", "false", "--share_prefixes=FALSE",
+                        "--actor.gradient_checkpointing", "true", "--run_dir", "false"])
+    assert (cfg.use_ray, cfg.share_prefixes, cfg.actor.gradient_checkpointing) == (
+        False, False, True)
+    assert cfg.run_dir == "false"  # a string field keeps its value
+    cfg = build_config(["--env", "digits", "--use_ray", "True"])
+    assert cfg.use_ray is True
