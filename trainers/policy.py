@@ -216,7 +216,9 @@ class PolicyWorker:
         order = self._order(batch, range(batch.size))
         for idx, n in batch.micro_batches(order, self.cfg.micro_batch_size):
             if name == "values":
-                out[idx, : n - 1] = model(batch.input_ids[idx, :n], batch.lengths[idx])
+                with self._autocast():
+                    values = model(batch.input_ids[idx, :n], batch.lengths[idx])
+                out[idx, : n - 1] = values.float()
             else:
                 out[idx, : n - 1] = self._forward(model, batch, idx, n)[0]
         batch.extras[name] = out * batch.mask
@@ -428,7 +430,8 @@ class PolicyWorker:
         total = 0.0
         for idx, n in batch.micro_batches(length_sorted(batch, rows), self.cfg.micro_batch_size):
             mask = batch.rows("mask", idx, n)
-            values = critic(batch.input_ids[idx, :n], batch.lengths[idx])
+            with self._autocast():
+                values = critic(batch.input_ids[idx, :n], batch.lengths[idx]).float()
             loss_bt = A.value_loss(
                 values,
                 batch.rows("values", idx, n),
