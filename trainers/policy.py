@@ -213,7 +213,9 @@ class PolicyWorker:
     @torch.no_grad()
     def _fill(self, batch: RolloutBatch, name: str, model: torch.nn.Module) -> None:
         out = torch.zeros_like(batch.mask)
-        order = self._order(batch, range(batch.size))
+        # The critic runs on padded rows (its own forward), so it wants rows of similar lengths.
+        rows = range(batch.size)
+        order = length_sorted(batch, rows) if name == "values" else self._order(batch, rows)
         for idx, n in batch.micro_batches(order, self.cfg.micro_batch_size):
             if name == "values":
                 with self._autocast():

@@ -81,7 +81,7 @@ def make_env(target: Callable[..., Any] | str, tokenizer: Any = None, **kwargs: 
         inspect.isclass(factory) and issubclass(factory, ChatEnv)
     ):
         kwargs["tokenizer"] = tokenizer
-    if "max_turns" in bridge_kwargs and _accepts_named(factory, "max_turns"):
+    if "max_turns" in bridge_kwargs and _accepts(factory, "max_turns", via_kwargs=False):
         # A chat env with its own turn budget gets the same one, so gym.make(max_turns=N) means
         # N turns whichever default the env has.
         kwargs.setdefault("max_turns", bridge_kwargs["max_turns"])
@@ -153,19 +153,13 @@ def _load(spec: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), attr)
 
 
-def _accepts(fn: Callable[..., Any], name: str) -> bool:
+def _accepts(fn: Callable[..., Any], name: str, *, via_kwargs: bool = True) -> bool:
+    """Whether `fn` takes a keyword `name`: declared, or (with `via_kwargs`) through **kwargs."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
-def _accepts_named(fn: Callable[..., Any], name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
+    return name in params or (via_kwargs and any(p.kind is p.VAR_KEYWORD for p in params.values()))
 
 
 def _suggest_name(id: str) -> str:
