@@ -86,12 +86,15 @@ def decode_logits(
     pos_B: torch.Tensor,
     cache: Cache,
     mask_B_T: torch.Tensor,
+    linear: Callable[..., torch.Tensor] = F.linear,
 ) -> torch.Tensor | None:
     """Next-token logits `[B, V]` after feeding `ids_B` at positions `pos_B`, or None when the
     model is not one this step reproduces exactly (call its forward instead).
 
     `cache` holds T - 1 columns per layer and gets the new keys/values appended (its layers'
-    `update`); `mask_B_T` (1 = real token) covers the cache columns and the new one.
+    `update`); `mask_B_T` (1 = real token) covers the cache columns and the new one. `linear`
+    computes the projections: `F.linear` (bit-identical to the model's forward) or
+    `agentrl.engine.kernels.linear` (the same up to float32 round-off, faster at a few rows).
     """
     plan = _plan(model)
     if plan is None:
@@ -114,9 +117,9 @@ def decode_logits(
     groups = n_heads // n_kv
     for w, layer in zip(plan.layers, cache.layers, strict=True):
         h = _rms_norm(x, w.norm_in, w.eps_in)
-        q = F.linear(h, w.q, w.q_bias).view(rows, n_heads, 1, head_dim)
-        k = F.linear(h, w.k, w.k_bias).view(rows, n_kv, 1, head_dim)
-        v = F.linear(h, w.v, w.v_bias).view(rows, n_kv, 1, head_dim)
+        q = linear(h, w.q, w.q_bias).view(rows, n_heads, 1, head_dim)
+        k = linear(h, w.k, w.k_bias).view(rows, n_kv, 1, head_dim)
+        v = linear(h, w.v, w.v_bias).view(rows, n_kv, 1, head_dim)
         q = _rotate(q, cos, sin_signed)
         k = _rotate(k, cos, sin_signed)
         k, v = layer.update(k, v)
@@ -128,12 +131,12 @@ def decode_logits(
         else:
             q = q.reshape(rows, n_kv, groups, head_dim)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=w.scaling)
-        x = x + F.linear(o.reshape(rows, n_heads * head_dim), w.o, w.o_bias)
+        x = x + linear(o.reshape(rows, n_heads * head_dim), w.o, w.o_bias)
         h = _rms_norm(x, w.norm_post, w.eps_post)
-        gate = w.act(F.linear(h, w.gate, w.gate_bias))
-        x = x + F.linear(gate.mul_(F.linear(h, w.up, w.up_bias)), w.down, w.down_bias)
+        gate = w.act(linear(h, w.gate, w.gate_bias))
+        x = x + linear(gate.mul_(linear(h, w.up, w.up_bias)), w.down, w.down_bias)
     x = _rms_norm(x, plan.norm, plan.eps)
-    return F.linear(x, plan.lm_head, plan.lm_head_bias)
+    return linear(x, plan.lm_head, plan.lm_head_bias)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

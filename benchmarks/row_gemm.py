@@ -1,0 +1,113 @@
+"""The row GEMM kernel (agentrl.engine.kernels) against F.linear, in the same process.
+
+1. Every weight matrix of the model (SmolLM2-135M: 211 matrices, 540 MB in float32) multiplied
+   by R rows, R in --rows: one decode step's projections, F.linear vs the kernel, alternating.
+2. The GRPO benchmark's rollout (2 chat prompts x 4 samples, 32 new tokens, temperature 1) on
+   two engines over the same model, `row_gemm=False` (baseline) and `row_gemm=True`, alternating.
+
+    .venv/bin/python benchmarks/row_gemm.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def median_ms(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def projections(model, rows_list: list[int], reps: int) -> None:
+    from agentrl.engine import kernels
+
+    weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    mb = sum(w.numel() for w in weights) * 4 / 2**20
+    print(f"{len(weights)} weight matrices, {mb:.0f} MB float32")
+    for rows in rows_list:
+        xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
+        base, fast = [], []
+        for _ in range(reps):
+            base.append(median_ms(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights], 1))
+            fast.append(
+                median_ms(lambda xs=xs: [kernels.linear(xs[w.shape[1]], w) for w in weights], 1)
+            )
+        b, f = statistics.median(base), statistics.median(fast)
+        used = "kernel" if kernels.applies(rows, weights[0]) else "F.linear (too many rows)"
+        print(f"  {rows:2d} rows: F.linear {b:6.1f} ms  row_gemm {f:6.1f} ms  {b / f:.2f}x  [{used}]")
+
+
+def rollouts(model, tok, rounds: int) -> None:
+    from agentrl.engine.hf import TransformersEngine
+    from agentrl.types import SamplingParams
+
+    questions = ["What is 2+3?", "What is 7*6?"]
+    prompts = []
+    for q in questions:
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+        )
+        prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    params = SamplingParams(max_tokens=32, temperature=1.0, n=4)
+    engines = {
+        flag: TransformersEngine(model, tok, prefix_cache_bytes=0, seed=0, row_gemm=flag)
+        for flag in (False, True)
+    }
+
+    async def one(engine) -> float:
+        t = time.perf_counter()
+        await asyncio.gather(*[engine.generate(p, params) for p in prompts])
+        return time.perf_counter() - t
+
+    times = {False: [], True: []}
+    for flag, engine in engines.items():  # warm-up (and the kernel's build)
+        asyncio.run(one(engine))
+    for _ in range(rounds):
+        for flag, engine in engines.items():
+            times[flag].append(asyncio.run(one(engine)))
+    b, f = statistics.median(times[False]), statistics.median(times[True])
+    steps = {flag: e.counters["decode_steps"] for flag, e in engines.items()}
+    print(
+        f"GRPO-sized rollout (8 rows, 32 tokens), median of {rounds}: "
+        f"row_gemm=False {b:.2f} s  row_gemm=True {f:.2f} s  {b / f:.2f}x "
+        f"(decode steps {steps[False]} / {steps[True]}, "
+        f"kernel steps {engines[True].counters['row_gemm_steps']})"
+    )
+    for e in engines.values():
+        e.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--rows", default="1,4,8,12,16")
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--rounds", type=int, default=6)
+    args = ap.parse_args()
+    from agentrl.engine import kernels
+    from agentrl.models import load_model, load_tokenizer
+
+    torch.set_num_threads(os.cpu_count() or 2)
+    if kernels.row_gemm_module() is None:
+        raise SystemExit("the row GEMM kernel did not build (see the warning above)")
+    model = load_model(args.model).eval()
+    tok = load_tokenizer(args.model)
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.model}")
+    with torch.no_grad():
+        projections(model, [int(r) for r in args.rows.split(",")], args.reps)
+    rollouts(model, tok, args.rounds)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""The row GEMM kernel (agentrl.engine.kernels): equal to F.linear up to float32 round-off on the
+shapes it takes, the same F.linear call on the ones it does not, independent of the other rows
+of the batch, used by the engine for float32 Llama decode steps, and optional."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from agentrl.engine import kernels
+from agentrl.engine.hf import TransformersEngine
+from agentrl.models.tiny import tiny_model
+from agentrl.types import SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("g++") is None or shutil.which("ninja") is None,
+    reason="the kernel is compiled with g++ and ninja",
+)
+
+
+@pytest.fixture(scope="module")
+def module():
+    mod = kernels.row_gemm_module()
+    assert mod is not None, "the row GEMM kernel did not build (see the warning logged above)"
+    return mod
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 11, kernels.MAX_ROWS])
+@pytest.mark.parametrize(("out_features", "in_features"), [(577, 576), (1301, 100), (1024, 96)])
+def test_matches_f_linear(module, rows, out_features, in_features):
+    # Odd output counts reach the single-row tail, K % 16 != 0 the scalar tail of each sum.
+    g = torch.Generator().manual_seed(rows * 7 + in_features)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g)
+    x = torch.randn(rows, in_features * 2, generator=g)[:, ::2]  # not contiguous
+    assert kernels.covers(x, w)
+    # Any summation order is within K * eps * (|x| @ |w|.T) of the exact product (float64 here).
+    x64, w64 = x.double(), w.double()
+    bound = in_features * 2.0**-24 * (x64.abs() @ w64.abs().T)
+    for bias in (None, b):
+        got = kernels.linear(x, w, bias)
+        want = F.linear(x, w, bias)
+        assert got.shape == want.shape and got.dtype == torch.float32
+        exact = F.linear(x64, w64, None if bias is None else bias.double())
+        assert bool(((got.double() - exact).abs() <= bound + 2.0**-24 * exact.abs()).all())
+        assert not torch.equal(got, want)  # the kernel's own sums, not F.linear's
+
+
+def test_each_row_does_not_depend_on_the_batch(module):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(700, 576, generator=g)
+    x = torch.randn(kernels.MAX_ROWS, 576, generator=g)
+    full = kernels.linear(x, w)
+    for i in range(len(x)):
+        assert torch.equal(kernels.linear(x[i : i + 1], w)[0], full[i])
+        assert torch.equal(kernels.linear(x[: i + 1], w), full[: i + 1])
+
+
+def test_calls_it_does_not_take_are_f_linear(module):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(600, 256, generator=g)
+    x = torch.randn(4, 256, generator=g)
+    cases = {
+        "too many rows": (torch.randn(kernels.MAX_ROWS + 1, 256, generator=g), w),
+        "bf16": (x.bfloat16(), w.bfloat16()),
+        "small weight": (x, w[:200]),
+        "weight not contiguous": (x, torch.randn(256, 600, generator=g).t()),
+        "3-D input": (x[None], w),
+    }
+    for name, (xi, wi) in cases.items():
+        assert not kernels.covers(xi, wi), name
+        assert torch.equal(kernels.linear(xi, wi), F.linear(xi, wi)), name
+    # Autograd: an input that needs gradients goes to F.linear, which has a backward.
+    xg = x.clone().requires_grad_()
+    out = kernels.linear(xg, w)
+    assert out.requires_grad
+    out.sum().backward()
+    torch.testing.assert_close(xg.grad, w.sum(0).expand_as(x))
+    with torch.no_grad():
+        assert kernels.covers(xg, w)
+
+
+def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
+    import torch.utils.cpp_extension as ext
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(ext, "load", broken)
+    monkeypatch.setattr(kernels, "_tried", False)
+    monkeypatch.setattr(kernels, "_module", None)
+    with caplog.at_level(logging.WARNING, logger="agentrl.engine.kernels"):
+        assert kernels.row_gemm_module() is None
+    assert "Ninja is required" in caplog.text and "g++" in caplog.text
+    x, w = torch.randn(2, 300), torch.randn(400, 300)
+    assert torch.equal(kernels.linear(x, w), F.linear(x, w))
+
+
+def test_the_environment_variable_turns_it_off(monkeypatch):
+    monkeypatch.setenv("AGENTRL_ROW_GEMM", "0")
+    monkeypatch.setattr(kernels, "_tried", False)
+    monkeypatch.setattr(kernels, "_module", None)
+    assert kernels.row_gemm_module() is None
+
+
+async def test_engine_decodes_with_it(module, tiny_tokenizer, prompts):
+    # hidden 256: the vocabulary projection and MLP matrices are large enough for the kernel.
+    model = tiny_model(tiny_tokenizer, hidden_size=256, seed=3).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(8.0)
+    requests = [
+        (prompts[0], SamplingParams(temperature=0, max_tokens=12)),
+        (prompts[1], SamplingParams(temperature=1.0, max_tokens=10, n=3, seed=5)),
+        (prompts[2], SamplingParams(temperature=0, max_tokens=8)),
+    ]
+    results = {}
+    for row_gemm in (True, False):
+        with TransformersEngine(
+            model, tiny_tokenizer, max_batch_size=8, prefix_cache_bytes=0, row_gemm=row_gemm
+        ) as engine:
+            engine.sleep()
+            tasks = [asyncio.create_task(engine.generate(p, s)) for p, s in requests]
+            while engine.num_waiting < len(requests):
+                await asyncio.sleep(0.001)
+            engine.wake()
+            results[row_gemm] = await asyncio.gather(*tasks)
+            steps = engine.counters["decode_steps"]
+            assert engine.counters["lean_decode_steps"] == steps > 0
+            assert engine.counters["row_gemm_steps"] == (steps if row_gemm else 0)
+    fast, plain = results[True], results[False]
+    lp_fast, lp_plain = [], []
+    for cs_fast, cs_plain in zip(fast, plain, strict=True):
+        for a, b in zip(cs_fast, cs_plain, strict=True):
+            # Greedy rows pick the same tokens; sampled rows (same seeds) do too unless a
+            # round-off lands on a sampling boundary, which these seeds do not hit.
+            assert a.token_ids == b.token_ids
+            lp_fast += a.logprobs
+            lp_plain += b.logprobs
+    assert len(lp_fast) > 30
+    torch.testing.assert_close(torch.tensor(lp_fast), torch.tensor(lp_plain), rtol=0, atol=1e-4)
