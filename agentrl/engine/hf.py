@@ -32,10 +32,8 @@ from typing import TYPE_CHECKING, Self
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
-from agentrl.engine import kernels
 from agentrl.engine.base import GenerationError, NamedTensors
 from agentrl.engine.kv import KV, BatchCache, PrefixCache
 from agentrl.engine.llama import decode_logits
@@ -63,10 +61,10 @@ class TransformersEngine:
         seed: seeds the generator of requests without their own seed.
         lean_decode: decode Llama models with `agentrl.engine.llama` (bit-identical, faster);
             False always runs the model's forward.
-        row_gemm: in lean decode steps of at most `kernels.MAX_ROWS` rows, compute the float32
-            CPU projections with agentrl's weight-streaming kernel (`agentrl.engine.kernels`:
-            compiled on first use, ~1.7x faster at 8 rows, equal to `F.linear` up to float32
-            round-off). False keeps the lean step bit-identical to the model's forward.
+        cpu_kernels: run lean decode steps of float32 CPU models at up to `kernels.MAX_ROWS`
+            rows through agentrl's compiled CPU kernels (`agentrl.engine.kernels`: built on
+            first use; equal to the torch step up to float32 round-off). False keeps the lean
+            step bit-identical to the model's forward.
     """
 
     def __init__(
@@ -81,7 +79,7 @@ class TransformersEngine:
         max_prefill_tokens: int = 8192,
         seed: int | None = None,
         lean_decode: bool = True,
-        row_gemm: bool = True,
+        cpu_kernels: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -94,7 +92,7 @@ class TransformersEngine:
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.lean_decode = lean_decode
-        self.row_gemm = row_gemm
+        self.cpu_kernels = cpu_kernels
         self._version = int(version)
         cfg = model.config.get_text_config()
         self._max_context = int(getattr(cfg, "max_position_embeddings", 0) or 2048)
@@ -433,14 +431,6 @@ class TransformersEngine:
                 self.prefix_cache.insert(p, cache.row_prefix(u))
         return cache, out.logits[:, -1, :]
 
-    def _decode_linear(self, rows: int) -> Callable[..., torch.Tensor]:
-        """`kernels.linear` where the row GEMM kernel applies to this model and batch (it is
-        built on the first such step), else `F.linear`."""
-        head = self.model.get_output_embeddings().weight
-        if self.row_gemm and kernels.applies(rows, head) and kernels.row_gemm_module() is not None:
-            return kernels.linear
-        return F.linear
-
     def _decode(self) -> None:
         batch = self._batch
         assert batch is not None and batch.rows == len(self._rows)
@@ -450,10 +440,16 @@ class TransformersEngine:
         mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)
         logits_B_V = None
         if self.lean_decode:
-            linear = self._decode_linear(batch.rows)
-            logits_B_V = decode_logits(self.model, ids_B, pos_B, batch.cache, mask, linear)
+            logits_B_V = decode_logits(
+                self.model,
+                ids_B,
+                pos_B,
+                batch.cache,
+                mask,
+                cpu_kernels=self.cpu_kernels,
+                counters=self.counters,
+            )
             self.counters["lean_decode_steps"] += logits_B_V is not None
-            self.counters["row_gemm_steps"] += logits_B_V is not None and linear is not F.linear
         if logits_B_V is None:
             out = self.model(
                 input_ids=ids_B[:, None],

@@ -1,18 +1,24 @@
-"""A weight-streaming linear layer for decode steps of a few rows (float32, CPU).
+"""agentrl's CPU kernels for decode steps of a few rows (float32), and when they are used.
 
-A decode step multiplies every weight matrix by a handful of rows (one token per sample), so it
-is bound by reading the weights from memory. The BLAS GEMM behind `F.linear` packs panels of
-the weight matrix on every call and at these shapes loses half the memory bandwidth to it: on
-the development VM (2 vCPU, AVX-512), SmolLM2-135M's 211 weight matrices take about twice as
-long at 8 rows as at 1. `csrc/row_gemm.cpp` reads each weight row once, prefetching ahead, and
-multiplies it into all rows (numbers: benchmarks/results/row_gemm.md).
+A decode step feeds one token per row. At a handful of rows it is bound by reading the weights
+from memory, and the BLAS GEMM behind `F.linear` packs panels of the weight matrix on every
+call, losing half the bandwidth to it: on the development VM (2 vCPU, AVX-512) SmolLM2-135M's
+211 weight matrices take about twice as long at 8 rows as at 1. Around the GEMMs, a Llama layer
+is ~45 small tensor operations whose Python and dispatch costs exceed their arithmetic.
+`csrc/cpu_decode.cpp` has
 
-The kernel is compiled on first use with `torch.utils.cpp_extension` (g++ and ninja, ~25 s,
+- `row_gemm`: reads each weight row once (prefetching ahead) and multiplies it into all rows;
+- `decode_layer`: a whole decoder layer in one call (norms, projections through `row_gemm`,
+  rotary embedding, the KV-cache write, attention, gating, residuals).
+
+Numbers: benchmarks/results/cpu_decode.md (`benchmarks/cpu_decode.py`).
+
+The module is compiled on first use with `torch.utils.cpp_extension` (g++ and ninja, ~30 s,
 cached under `TORCH_EXTENSIONS_DIR`; the cache key includes the CPU's flags since it is built
-with `-march=native`). Without a compiler, or for shapes and dtypes it does not cover, `linear`
-is `F.linear`; `AGENTRL_ROW_GEMM=0` in the environment turns the kernel off everywhere (the
-engine's `row_gemm=False` does it for one engine). Results differ from `F.linear` by float32 round-off only (a different summation
-order), and each row's result does not depend on the other rows in the batch.
+with `-march=native`). Without a compiler, everything here falls back to the torch path;
+`AGENTRL_CPU_KERNELS=0` in the environment turns the kernels off everywhere (the engine's
+`cpu_kernels=False` does it for one engine). Results equal the torch path up to float32
+round-off (other summation orders), and each row's result does not depend on the other rows.
 """
 
 from __future__ import annotations
@@ -31,27 +37,29 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = 12
-"""Most rows the kernel takes; beyond this the GEMM's arithmetic catches up with the streaming
-(at 16 rows both take ~45 ms for SmolLM2-135M on the development VM)."""
+"""Most rows the kernels take; beyond this the GEMM's arithmetic catches up with the streaming
+(at 16 rows both take about as long for SmolLM2-135M on the development VM)."""
 
 MIN_WEIGHT_NUMEL = 1 << 16
-"""Weight matrices of at most this many elements go to `F.linear`: they stay in cache, where
-the call's fixed cost dominates and BLAS is faster (8 rows, development VM: 64 x 64 5.8 vs 7.0
-us, 256 x 256 14.8 vs 20.5 us; 192 x 576 30.5 vs 22.8 us)."""
+"""Weight matrices of at most this many elements go to BLAS: they stay in cache, where the
+call's fixed cost dominates and BLAS is faster (8 rows, development VM: 64 x 64 5.8 vs 7.0 us,
+256 x 256 14.8 vs 20.5 us; 192 x 576 30.5 vs 22.8 us)."""
 
-_SOURCE = Path(__file__).parent / "csrc" / "row_gemm.cpp"
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_decode.cpp"
 _lock = threading.Lock()
 _module = None
 _tried = False
 
 
-def row_gemm_module():
-    """The compiled kernel module (built on first call), or None where it cannot be built."""
+def module():
+    """The compiled kernels (built on the first call), or None where they cannot be built or
+    are turned off."""
     global _module, _tried
     with _lock:
         if not _tried:
             _tried = True
-            _module = _build() if os.environ.get("AGENTRL_ROW_GEMM", "1") != "0" else None
+            if os.environ.get("AGENTRL_CPU_KERNELS", "1") != "0":
+                _module = _build()
         return _module
 
 
@@ -61,9 +69,9 @@ def _build():
 
         source = _SOURCE.read_bytes()
         key = hashlib.sha256(source + _cpu_flags().encode() + torch.__version__.encode())
-        logger.info("compiling agentrl's row GEMM kernel (once per machine, ~25 s)")
+        logger.info("compiling agentrl's CPU decode kernels (once per machine, ~30 s)")
         return load(
-            name=f"agentrl_row_gemm_{key.hexdigest()[:12]}",
+            name=f"agentrl_cpu_decode_{key.hexdigest()[:12]}",
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
@@ -71,8 +79,8 @@ def _build():
     # No compiler or ninja (RuntimeError, CalledProcessError), a module that will not load.
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as e:
         logger.warning(
-            "agentrl's row GEMM kernel could not be built (%s: %s); decoding uses F.linear. "
-            "Install g++ and ninja (`apt-get install g++ ninja-build`) to get it.",
+            "agentrl's CPU decode kernels could not be built (%s: %s); decoding uses torch. "
+            "Install g++ and ninja (`apt-get install g++ ninja-build`) to get them.",
             type(e).__name__,
             (str(e).strip().splitlines() or [""])[-1],
         )
@@ -90,7 +98,7 @@ def _cpu_flags() -> str:
 
 
 def applies(rows: int, weight: torch.Tensor) -> bool:
-    """Whether the kernel takes a product of `rows` rows with `weight` (float32 inputs)."""
+    """Whether the row GEMM takes a product of `rows` rows with `weight` (float32 inputs)."""
     return (
         rows <= MAX_ROWS
         and weight.dtype is torch.float32
@@ -101,7 +109,7 @@ def applies(rows: int, weight: torch.Tensor) -> bool:
 
 
 def covers(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear(x, weight)` goes to the kernel (once it is built)."""
+    """Whether `linear(x, weight)` goes to the row GEMM (once it is built)."""
     return (
         x.dim() == 2
         and x.dtype is torch.float32
@@ -112,10 +120,10 @@ def covers(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through the row GEMM kernel where it covers the call."""
+    """`F.linear(x, weight, bias)`, through the row GEMM where it covers the call."""
     if covers(x, weight):
-        module = row_gemm_module()
-        if module is not None:
-            out = module.row_gemm(x, weight)
+        mod = module()
+        if mod is not None:
+            out = mod.row_gemm(x, weight)
             return out if bias is None else out.add_(bias)
     return F.linear(x, weight, bias)

@@ -41,15 +41,23 @@ class BufferLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        new_len = self.length + key_states.shape[-2]
-        if new_len > self.buf_k.shape[-2]:
-            self._grow(max(new_len, 2 * self.buf_k.shape[-2], 16))
-        self.buf_k[..., self.length : new_len, :] = key_states
-        self.buf_v[..., self.length : new_len, :] = value_states
-        self.length = new_len
-        self.keys = self.buf_k[..., :new_len, :]
-        self.values = self.buf_v[..., :new_len, :]
+        n = key_states.shape[-2]
+        self.reserve(n)
+        self.buf_k[..., self.length : self.length + n, :] = key_states
+        self.buf_v[..., self.length : self.length + n, :] = value_states
+        self.advance(n)
         return self.keys, self.values
+
+    def reserve(self, n: int) -> None:
+        """Make room for `n` more columns (in `buf_k`/`buf_v`, from column `length`)."""
+        if self.length + n > self.buf_k.shape[-2]:
+            self._grow(max(self.length + n, 2 * self.buf_k.shape[-2], 16))
+
+    def advance(self, n: int) -> None:
+        """Take `n` columns written into the buffers past `length` as part of the cache."""
+        self.length += n
+        self.keys = self.buf_k[..., : self.length, :]
+        self.values = self.buf_v[..., : self.length, :]
 
     def _grow(self, capacity: int) -> None:
         b, h, _, d = self.buf_k.shape

@@ -23,8 +23,9 @@ Shapes: `_B` rows, `_T` cache columns, `_V` vocabulary.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,9 @@ from torch.nn.modules import module as _module
 from transformers.activations import SiLUActivation
 from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
 from transformers.models.llama import modeling_llama as _llama
+
+from agentrl.engine import kernels
+from agentrl.engine.kv import BufferLayer
 
 if TYPE_CHECKING:
     from transformers.cache_utils import Cache
@@ -86,15 +90,19 @@ def decode_logits(
     pos_B: torch.Tensor,
     cache: Cache,
     mask_B_T: torch.Tensor,
-    linear: Callable[..., torch.Tensor] = F.linear,
+    *,
+    cpu_kernels: bool = False,
+    counters: collections.Counter | None = None,
 ) -> torch.Tensor | None:
     """Next-token logits `[B, V]` after feeding `ids_B` at positions `pos_B`, or None when the
     model is not one this step reproduces exactly (call its forward instead).
 
-    `cache` holds T - 1 columns per layer and gets the new keys/values appended (its layers'
-    `update`); `mask_B_T` (1 = real token) covers the cache columns and the new one. `linear`
-    computes the projections: `F.linear` (bit-identical to the model's forward) or
-    `agentrl.engine.kernels.linear` (the same up to float32 round-off, faster at a few rows).
+    `cache` holds T - 1 columns per layer and gets the new keys/values appended; `mask_B_T`
+    (1 = real token) covers the cache columns and the new one. Without `cpu_kernels` the step
+    is bit-identical to the model's forward. With it, a float32 CPU step of at most
+    `kernels.MAX_ROWS` rows runs each layer in `agentrl.engine.kernels` (equal up to float32
+    round-off; see there); other steps are unchanged. `counters["kernel_decode_steps"]` counts
+    the steps that did.
     """
     plan = _plan(model)
     if plan is None:
@@ -105,6 +113,12 @@ def decode_logits(
     # 3-D input to this very matrix, so only the dispatch differs.
     x = F.embedding(ids_B, plan.embed)
     cos, sin = plan.rotary(x, pos_B[:, None])
+    if cpu_kernels and (mod := _kernel_module(plan, x, cache)) is not None:
+        _kernel_layers(mod, plan, x, cache, mask_B_T, cos, sin)
+        if counters is not None:
+            counters["kernel_decode_steps"] += 1
+        x = _rms_norm(x, plan.norm, plan.eps)
+        return kernels.linear(x, plan.lm_head, plan.lm_head_bias)
     half = head_dim // 2
     cos = cos[:, None]
     sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None]
@@ -117,9 +131,9 @@ def decode_logits(
     groups = n_heads // n_kv
     for w, layer in zip(plan.layers, cache.layers, strict=True):
         h = _rms_norm(x, w.norm_in, w.eps_in)
-        q = linear(h, w.q, w.q_bias).view(rows, n_heads, 1, head_dim)
-        k = linear(h, w.k, w.k_bias).view(rows, n_kv, 1, head_dim)
-        v = linear(h, w.v, w.v_bias).view(rows, n_kv, 1, head_dim)
+        q = F.linear(h, w.q, w.q_bias).view(rows, n_heads, 1, head_dim)
+        k = F.linear(h, w.k, w.k_bias).view(rows, n_kv, 1, head_dim)
+        v = F.linear(h, w.v, w.v_bias).view(rows, n_kv, 1, head_dim)
         q = _rotate(q, cos, sin_signed)
         k = _rotate(k, cos, sin_signed)
         k, v = layer.update(k, v)
@@ -131,12 +145,58 @@ def decode_logits(
         else:
             q = q.reshape(rows, n_kv, groups, head_dim)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=w.scaling)
-        x = x + linear(o.reshape(rows, n_heads * head_dim), w.o, w.o_bias)
+        x = x + F.linear(o.reshape(rows, n_heads * head_dim), w.o, w.o_bias)
         h = _rms_norm(x, w.norm_post, w.eps_post)
-        gate = w.act(linear(h, w.gate, w.gate_bias))
-        x = x + linear(gate.mul_(linear(h, w.up, w.up_bias)), w.down, w.down_bias)
+        gate = w.act(F.linear(h, w.gate, w.gate_bias))
+        x = x + F.linear(gate.mul_(F.linear(h, w.up, w.up_bias)), w.down, w.down_bias)
     x = _rms_norm(x, plan.norm, plan.eps)
-    return linear(x, plan.lm_head, plan.lm_head_bias)
+    return F.linear(x, plan.lm_head, plan.lm_head_bias)
+
+
+def _kernel_module(plan: _Plan, x: torch.Tensor, cache: Cache) -> Any:
+    """The compiled kernels where they take this step: float32 on CPU, at most
+    `kernels.MAX_ROWS` rows, SiLU MLPs, contiguous weights, agentrl's buffered cache."""
+    if (
+        x.dtype is not torch.float32
+        or x.device.type != "cpu"
+        or x.shape[0] > kernels.MAX_ROWS
+        or plan.head_dim % 2
+        or not all(isinstance(layer, BufferLayer) for layer in cache.layers)
+    ):
+        return None
+    for w in plan.layers:
+        if w.act is not F.silu or not all(
+            t.dtype is torch.float32 and t.is_contiguous() for t in w if isinstance(t, torch.Tensor)
+        ):
+            return None
+    return kernels.module()
+
+
+def _kernel_layers(
+    mod: Any,
+    plan: _Plan,
+    x: torch.Tensor,
+    cache: Cache,
+    mask_B_T: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """All decoder layers through `mod.decode_layer`, updating `x` [B, hidden] in place."""
+    rows = x.shape[0]
+    live = mask_B_T.to(torch.bool).contiguous()
+    cos = cos.reshape(rows, -1).contiguous()
+    sin = sin.reshape(rows, -1).contiguous()
+    for w, layer in zip(plan.layers, cache.layers, strict=True):
+        layer.reserve(1)
+        mod.decode_layer(
+            x, w.norm_in, w.eps_in,
+            w.q, w.q_bias, w.k, w.k_bias, w.v, w.v_bias, w.o, w.o_bias,
+            w.norm_post, w.eps_post,
+            w.gate, w.gate_bias, w.up, w.up_bias, w.down, w.down_bias,
+            layer.buf_k, layer.buf_v, layer.length, live, cos, sin,
+            plan.n_heads, plan.n_kv, w.scaling, kernels.MAX_ROWS, kernels.MIN_WEIGHT_NUMEL,
+        )  # fmt: skip
+        layer.advance(1)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import torch
+from transformers import LlamaForCausalLM
+from transformers.cache_utils import DynamicCache
+
 
 def sharp_tiny_model(tokenizer, seed: int = 1):
     """The tiny Llama with weights scaled up: random init is near-uniform, and larger weights
     give varied argmaxes, so greedy parity tests compare something."""
-    import torch
-
     from agentrl.models.tiny import tiny_model
 
     model = tiny_model(tokenizer, seed=seed)
@@ -16,3 +18,33 @@ def sharp_tiny_model(tokenizer, seed: int = 1):
             if "norm" not in name:
                 p.mul_(8.0)
     return model
+
+
+def llama_variant(tokenizer, **config):
+    """A tiny Llama with the test model's config updated by `config`, weights ~ N(0, 0.5^2)
+    (`hidden_size=256, intermediate_size=512` makes matrices large enough for the row GEMM)."""
+    base = sharp_tiny_model(tokenizer)
+    cfg = base.config.to_dict()
+    cfg.update(config)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(type(base.config).from_dict(cfg)).eval()
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    return model
+
+
+def prefill_cache(model, prompts):
+    """Left-padded prefill through the model's forward: the engine's batch cache and logits."""
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for u, p in enumerate(prompts):
+        ids[u, width - len(p) :] = torch.tensor(p)
+        mask[u, width - len(p) :] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    past = DynamicCache()
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=past)
+    kv = [(lay.keys, lay.values) for lay in past.layers]
+    return kv, mask, out.logits[:, -1]

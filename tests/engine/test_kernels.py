@@ -1,10 +1,12 @@
-"""The row GEMM kernel (agentrl.engine.kernels): equal to F.linear up to float32 round-off on the
-shapes it takes, the same F.linear call on the ones it does not, independent of the other rows
-of the batch, used by the engine for float32 Llama decode steps, and optional."""
+"""agentrl's CPU decode kernels (agentrl.engine.kernels): the row GEMM equals F.linear up to float32
+round-off on the shapes it takes and is F.linear on the others, each row independent of the
+batch; the kernel decode step equals the torch one up to round-off across Llama variants,
+writes the same KV cache, is what the engine runs for small float32 batches, and is optional."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import shutil
 
@@ -14,8 +16,11 @@ import torch.nn.functional as F
 
 from agentrl.engine import kernels
 from agentrl.engine.hf import TransformersEngine
-from agentrl.models.tiny import tiny_model
+from agentrl.engine.kv import BatchCache
+from agentrl.engine.llama import decode_logits
 from agentrl.types import SamplingParams
+
+from ._models import llama_variant, prefill_cache
 
 pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None or shutil.which("ninja") is None,
@@ -25,8 +30,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def module():
-    mod = kernels.row_gemm_module()
-    assert mod is not None, "the row GEMM kernel did not build (see the warning logged above)"
+    mod = kernels.module()
+    assert mod is not None, "the CPU kernels did not build (see the warning logged above)"
     return mod
 
 
@@ -95,48 +100,101 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
     monkeypatch.setattr(kernels, "_tried", False)
     monkeypatch.setattr(kernels, "_module", None)
     with caplog.at_level(logging.WARNING, logger="agentrl.engine.kernels"):
-        assert kernels.row_gemm_module() is None
+        assert kernels.module() is None
     assert "Ninja is required" in caplog.text and "g++" in caplog.text
     x, w = torch.randn(2, 300), torch.randn(400, 300)
     assert torch.equal(kernels.linear(x, w), F.linear(x, w))
 
 
 def test_the_environment_variable_turns_it_off(monkeypatch):
-    monkeypatch.setenv("AGENTRL_ROW_GEMM", "0")
+    monkeypatch.setenv("AGENTRL_CPU_KERNELS", "0")
     monkeypatch.setattr(kernels, "_tried", False)
     monkeypatch.setattr(kernels, "_module", None)
-    assert kernels.row_gemm_module() is None
+    assert kernels.module() is None
 
 
-async def test_engine_decodes_with_it(module, tiny_tokenizer, prompts):
-    # hidden 256: the vocabulary projection and MLP matrices are large enough for the kernel.
-    model = tiny_model(tiny_tokenizer, hidden_size=256, seed=3).eval()
+def _decode(model, prompts, steps, cpu_kernels, ids_per_step=None):
+    """Decode from a prefilled cache; returns the logits of each step and the final KV."""
+    kv, mask, logits = prefill_cache(model, prompts)
+    cache = BatchCache([(k.clone(), v.clone()) for k, v in kv], mask.clone())
+    pos = mask.sum(-1)
+    ids = logits.argmax(-1)
+    counters = collections.Counter()
+    out = []
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.mul_(8.0)
+        for t in range(steps):
+            new_mask = torch.cat([cache.mask, torch.ones_like(cache.mask[:, :1])], dim=1)
+            step = decode_logits(
+                model, ids, pos, cache.cache, new_mask, cpu_kernels=cpu_kernels, counters=counters
+            )
+            assert step is not None
+            cache.mask = new_mask
+            out.append(step)
+            # Both runs feed the same tokens (the torch run's argmax).
+            ids, pos = (ids_per_step[t] if ids_per_step else step.argmax(-1)), pos + 1
+    return out, cache.kv(), counters["kernel_decode_steps"]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"hidden_size": 256, "intermediate_size": 512},  # row GEMM for the larger matrices
+        {"num_key_value_heads": 4},  # no grouped-query attention
+        {"attention_bias": True, "mlp_bias": True},
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+    ],
+)
+def test_kernel_step_matches_the_torch_step(module, tiny_tokenizer, prompts, config):
+    model = llama_variant(tiny_tokenizer, **config)
+    batch = [prompts[0], prompts[2], prompts[1], prompts[5]]  # padded rows of four lengths
+    want, kv_want, used = _decode(model, batch, 6, cpu_kernels=False)
+    assert used == 0
+    fed = [w.argmax(-1) for w in want]
+    got, kv_got, used = _decode(model, batch, 6, cpu_kernels=True, ids_per_step=fed)
+    assert used == 6
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for (ka, va), (kb, vb) in zip(kv_got, kv_want, strict=True):
+        torch.testing.assert_close(ka, kb, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(va, vb, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(got[-1], want[-1])  # the kernels' own arithmetic ran
+
+
+def test_kernel_step_is_not_taken_where_it_does_not_apply(module, tiny_tokenizer, prompts):
+    model = llama_variant(tiny_tokenizer)
+    too_many = [prompts[i % len(prompts)] for i in range(kernels.MAX_ROWS + 1)]
+    assert _decode(model, too_many, 2, cpu_kernels=True)[2] == 0
+    assert _decode(model.to(torch.bfloat16), [prompts[0]], 2, cpu_kernels=True)[2] == 0
+    gelu = llama_variant(tiny_tokenizer, hidden_act="gelu")
+    got, _, used = _decode(gelu, [prompts[0], prompts[1]], 3, cpu_kernels=True)
+    want, _, _ = _decode(gelu, [prompts[0], prompts[1]], 3, cpu_kernels=False)
+    assert used == 0 and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+async def test_engine_decodes_with_the_kernels(module, tiny_tokenizer, prompts):
+    model = llama_variant(tiny_tokenizer, hidden_size=256, intermediate_size=512)
     requests = [
         (prompts[0], SamplingParams(temperature=0, max_tokens=12)),
         (prompts[1], SamplingParams(temperature=1.0, max_tokens=10, n=3, seed=5)),
         (prompts[2], SamplingParams(temperature=0, max_tokens=8)),
     ]
     results = {}
-    for row_gemm in (True, False):
+    for cpu_kernels in (True, False):
         with TransformersEngine(
-            model, tiny_tokenizer, max_batch_size=8, prefix_cache_bytes=0, row_gemm=row_gemm
+            model, tiny_tokenizer, max_batch_size=8, prefix_cache_bytes=0, cpu_kernels=cpu_kernels
         ) as engine:
             engine.sleep()
             tasks = [asyncio.create_task(engine.generate(p, s)) for p, s in requests]
             while engine.num_waiting < len(requests):
                 await asyncio.sleep(0.001)
             engine.wake()
-            results[row_gemm] = await asyncio.gather(*tasks)
+            results[cpu_kernels] = await asyncio.gather(*tasks)
             steps = engine.counters["decode_steps"]
             assert engine.counters["lean_decode_steps"] == steps > 0
-            assert engine.counters["row_gemm_steps"] == (steps if row_gemm else 0)
-    fast, plain = results[True], results[False]
+            assert engine.counters["kernel_decode_steps"] == (steps if cpu_kernels else 0)
     lp_fast, lp_plain = [], []
-    for cs_fast, cs_plain in zip(fast, plain, strict=True):
+    for cs_fast, cs_plain in zip(results[True], results[False], strict=True):
         for a, b in zip(cs_fast, cs_plain, strict=True):
             # Greedy rows pick the same tokens; sampled rows (same seeds) do too unless a
             # round-off lands on a sampling boundary, which these seeds do not hit.

@@ -7,50 +7,19 @@ import asyncio
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
-from transformers.cache_utils import DynamicCache
 
 from agentrl.engine.hf import TransformersEngine
 from agentrl.engine.kv import BatchCache
 from agentrl.engine.llama import decode_logits
 from agentrl.types import SamplingParams
 
-from ._models import sharp_tiny_model
-
-
-def _variant(tokenizer, **config):
-    """A tiny Llama with the test model's config updated by `config`, weights ~ N(0, 0.5^2)."""
-    base = sharp_tiny_model(tokenizer)
-    cfg = base.config.to_dict()
-    cfg.update(config)
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(type(base.config).from_dict(cfg)).eval()
-        for p in model.parameters():
-            p.normal_(0, 0.5)
-    return model
-
-
-def _prefill(model, prompts):
-    """Left-padded prefill through the model's forward: the engine's batch cache and logits."""
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for u, p in enumerate(prompts):
-        ids[u, width - len(p) :] = torch.tensor(p)
-        mask[u, width - len(p) :] = 1
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    past = DynamicCache()
-    with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=past)
-    kv = [(lay.keys, lay.values) for lay in past.layers]
-    return kv, mask, out.logits[:, -1]
+from ._models import llama_variant, prefill_cache, sharp_tiny_model
 
 
 def _decode_both(model, prompts, steps):
     """Greedy-decode `steps` tokens from the same cache twice, lean and with the model's forward;
     returns the logits of every step from both."""
-    kv, mask, logits = _prefill(model, prompts)
+    kv, mask, logits = prefill_cache(model, prompts)
     lean = BatchCache([(k.clone(), v.clone()) for k, v in kv], mask.clone())
     ref = BatchCache([(k.clone(), v.clone()) for k, v in kv], mask.clone())
     pos = mask.sum(-1)
@@ -97,7 +66,7 @@ def test_lean_step_is_bit_identical_to_the_forward(model, tiny_tokenizer, prompt
 def test_lean_step_matches_llama_variants(tiny_tokenizer, prompts, config):
     config = dict(config)
     dtype = config.pop("dtype", torch.float32)
-    model = _variant(tiny_tokenizer, **config).to(dtype)
+    model = llama_variant(tiny_tokenizer, **config).to(dtype)
     got, want = _decode_both(model, [prompts[0], prompts[3]], steps=4)
     for a, b in zip(got, want, strict=True):
         assert a.dtype == dtype and torch.equal(a, b)
@@ -115,14 +84,14 @@ async def test_engine_samples_the_same_with_and_without_the_lean_step(
     results = {}
     for lean in (True, False):
         # No prefix cache: a request resumed from cached KV may differ in the last float bits.
-        # No row GEMM kernel (its sums round differently; tests/engine/test_kernels.py).
+        # No CPU kernels (their sums round differently; tests/engine/test_kernels.py).
         with TransformersEngine(
             model,
             tiny_tokenizer,
             max_batch_size=8,
             prefix_cache_bytes=0,
             lean_decode=lean,
-            row_gemm=False,
+            cpu_kernels=False,
         ) as engine:
             # Admit all requests in one batch (as the worker's timing would not guarantee):
             # batches of other shapes may round differently in the last bits.
@@ -170,7 +139,7 @@ def test_models_it_does_not_reproduce_get_none(tiny_tokenizer, prompts):
         lora_like.model.layers[1].mlp.up_proj
     )
     for m in (eager, lora_like):
-        kv, mask, logits = _prefill(m, [prompts[0]])
+        kv, mask, logits = prefill_cache(m, [prompts[0]])
         cache = BatchCache(kv, mask)
         new_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         with torch.no_grad():

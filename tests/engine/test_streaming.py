@@ -142,8 +142,9 @@ async def test_max_tokens_gives_length_on_last_delta(engine, prompts):
 
 
 async def test_abort_by_id_ends_the_stream_with_abort(engine, slow_model, prompts):
-    stream = engine.generate_stream(prompts[1], SamplingParams(max_tokens=200, seed=4),
-                                    request_id="r1")
+    stream = engine.generate_stream(
+        prompts[1], SamplingParams(max_tokens=200, seed=4), request_id="r1"
+    )
     first = await anext(stream)
     assert engine.abort("r1")
     rest = await collect(stream)

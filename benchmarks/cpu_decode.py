@@ -1,11 +1,12 @@
-"""The row GEMM kernel (agentrl.engine.kernels) against F.linear, in the same process.
+"""agentrl's CPU decode kernels (agentrl.engine.kernels) against the torch path, in one process.
 
 1. Every weight matrix of the model (SmolLM2-135M: 211 matrices, 540 MB in float32) multiplied
-   by R rows, R in --rows: one decode step's projections, F.linear vs the kernel, alternating.
+   by R rows, R in --rows: one decode step's projections, F.linear vs the row GEMM, alternating.
 2. The GRPO benchmark's rollout (2 chat prompts x 4 samples, 32 new tokens, temperature 1) on
-   two engines over the same model, `row_gemm=False` (baseline) and `row_gemm=True`, alternating.
+   two engines over the same model, `cpu_kernels=False` (baseline: the lean torch step) and
+   `cpu_kernels=True`, alternating.
 
-    .venv/bin/python benchmarks/row_gemm.py
+    .venv/bin/python benchmarks/cpu_decode.py
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def rollouts(model, tok, rounds: int) -> None:
         prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
     params = SamplingParams(max_tokens=32, temperature=1.0, n=4)
     engines = {
-        flag: TransformersEngine(model, tok, prefix_cache_bytes=0, seed=0, row_gemm=flag)
+        flag: TransformersEngine(model, tok, prefix_cache_bytes=0, seed=0, cpu_kernels=flag)
         for flag in (False, True)
     }
 
@@ -80,9 +81,9 @@ def rollouts(model, tok, rounds: int) -> None:
     steps = {flag: e.counters["decode_steps"] for flag, e in engines.items()}
     print(
         f"GRPO-sized rollout (8 rows, 32 tokens), median of {rounds}: "
-        f"row_gemm=False {b:.2f} s  row_gemm=True {f:.2f} s  {b / f:.2f}x "
+        f"cpu_kernels=False {b:.2f} s  cpu_kernels=True {f:.2f} s  {b / f:.2f}x "
         f"(decode steps {steps[False]} / {steps[True]}, "
-        f"kernel steps {engines[True].counters['row_gemm_steps']})"
+        f"kernel steps {engines[True].counters['kernel_decode_steps']})"
     )
     for e in engines.values():
         e.close()
@@ -99,8 +100,8 @@ def main() -> None:
     from agentrl.models import load_model, load_tokenizer
 
     torch.set_num_threads(os.cpu_count() or 2)
-    if kernels.row_gemm_module() is None:
-        raise SystemExit("the row GEMM kernel did not build (see the warning above)")
+    if kernels.module() is None:
+        raise SystemExit("agentrl's CPU kernels did not build (see the warning above)")
     model = load_model(args.model).eval()
     tok = load_tokenizer(args.model)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.model}")

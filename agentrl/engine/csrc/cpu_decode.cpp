@@ -1,0 +1,292 @@
+// CPU kernels for decode steps of a few rows (float32): agentrl/engine/kernels.py says when they
+// are used and why, agentrl/engine/llama.py calls them.
+//
+// row_gemm: out[m, n] = sum_k x[m, k] * w[n, k]. At 1-16 rows a decode step's projections are
+// bound by reading the weights from memory, not by arithmetic. A general GEMM packs panels of
+// the weight matrix for every call, and at these shapes the packing and its cache misses cost
+// more than the arithmetic. Here each pair of weight rows is read once, straight from the
+// model's own tensor, while the rows a few tiles ahead are prefetched, and multiplied into
+// every input row (the inputs, at most 16 x K floats, stay in the L1/L2 cache). Each output is
+// the sum of one row of x and one row of w in a fixed order, independent of the other rows.
+//
+// decode_layer: one Llama decoder layer for one new token per row, in one call: RMS norms,
+// projections, rotary embedding, the KV-cache write, attention over the cached columns, SiLU
+// gating and both residual adds. Through Python the same layer is ~45 tensor operations of a
+// few microseconds of dispatch each, more than their arithmetic at these sizes.
+//
+// Written with GCC vector extensions so that the compiler (run with -march=native on the
+// machine that uses it) emits AVX-512, AVX2 or NEON as the CPU has.
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+
+// Weight rows prefetched ahead of the ones being multiplied, in units of the NR-row tile.
+constexpr int kPrefetchTiles = 4;
+
+inline vec load(const float* p) {
+  vec v;
+  __builtin_memcpy(&v, p, sizeof(vec));
+  return v;
+}
+
+inline float lanes_sum(vec v) {
+  float s = 0.f;
+  for (int l = 0; l < kLanes; ++l) s += v[l];
+  return s;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  vec acc = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
+  float s = lanes_sum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y += a * x
+inline void axpy(float a, const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+  const vec av = vec{} + a;  // a in every lane
+  for (; i + kLanes <= n; i += kLanes) {
+    vec yv = load(y + i) + av * load(x + i);
+    __builtin_memcpy(y + i, &yv, sizeof(vec));
+  }
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+// ------------------------------------------------------------------------------- row GEMM
+
+// MR rows of x against weight rows n .. n + NR - 1; out = (out +) x w^T.
+template <int MR, int NR>
+inline void tile(const float* x, const float* w, float* out, int64_t K, int64_t N, int64_t n,
+                 bool accumulate) {
+  vec acc[MR][NR] = {};
+  const int64_t k_vec = K - K % kLanes;
+  for (int64_t k = 0; k < k_vec; k += kLanes) {
+    vec wv[NR];
+    for (int j = 0; j < NR; ++j) {
+      wv[j] = load(w + (n + j) * K + k);
+      __builtin_prefetch(w + (n + kPrefetchTiles * NR + j) * K + k);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const vec xv = load(x + i * K + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] += xv * wv[j];
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int j = 0; j < NR; ++j) {
+      float s = lanes_sum(acc[i][j]);
+      for (int64_t k = k_vec; k < K; ++k) s += x[i * K + k] * w[(n + j) * K + k];
+      float* o = out + i * N + n + j;
+      *o = accumulate ? *o + s : s;
+    }
+  }
+}
+
+// All M rows of x against weight rows n .. n + NR - 1 (those stay in L1 across the row blocks).
+template <int NR>
+inline void columns(const float* x, const float* w, float* out, int64_t M, int64_t K, int64_t N,
+                    int64_t n, bool accumulate) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) tile<8, NR>(x + m * K, w, out + m * N, K, N, n, accumulate);
+  for (; m + 4 <= M; m += 4) tile<4, NR>(x + m * K, w, out + m * N, K, N, n, accumulate);
+  for (; m < M; ++m) tile<1, NR>(x + m * K, w, out + m * N, K, N, n, accumulate);
+}
+
+// out [M, N] = (out +) x [M, K] @ w [N, K]^T, all contiguous.
+void gemm_rows(const float* x, const float* w, float* out, int64_t M, int64_t K, int64_t N,
+               bool accumulate) {
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) columns<2>(x, w, out, M, K, N, n, accumulate);
+    for (; n < n1; ++n) columns<1>(x, w, out, M, K, N, n, accumulate);
+  });
+}
+
+void check_operands(const torch::Tensor& x, const torch::Tensor& w, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), what,
+              ": x [M, K] and w [N, K] expected, got ", x.sizes(), " and ", w.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, what,
+              ": float32 only");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), what, ": CPU tensors only");
+  TORCH_CHECK(w.is_contiguous(), what, ": the weight must be contiguous");
+}
+
+// ---------------------------------------------------------------------------- decode layer
+
+// Settings shared by all layers of a step: which projections go to gemm_rows.
+struct Routing {
+  int64_t max_rows;
+  int64_t min_numel;
+};
+
+// out = (out +) x @ w^T (+ b): the row kernel where it pays, ATen's GEMM otherwise.
+void project(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b,
+             torch::Tensor& out, bool accumulate, const Routing& r) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == K && out.size(0) == M && out.size(1) == N &&
+                  w.scalar_type() == at::kFloat && w.is_contiguous(),
+              "decode_layer: a [", N, ", ", K, "] float32 contiguous weight expected, got ",
+              w.sizes());
+  if (M <= r.max_rows && w.numel() > r.min_numel) {
+    gemm_rows(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), M, K, N,
+              accumulate);
+  } else if (accumulate) {
+    out.add_(at::mm(x, w.t()));
+  } else {
+    at::mm_out(out, x, w.t());
+  }
+  if (b.has_value() && b->defined()) out.add_(*b);
+}
+
+// out[m] = weight * x[m] / sqrt(mean(x[m]^2) + eps), as LlamaRMSNorm in float32.
+void rms_norm(const float* x, const float* weight, float* out, int64_t M, int64_t H, double eps) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * H;
+    const float ss = dot(xr, xr, H);
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+    for (int64_t i = 0; i < H; ++i) out[m * H + i] = weight[i] * (xr[i] * inv);
+  }
+}
+
+// x * cos + rotate_half(x) * sin for each head of one row, in place.
+void rotate(float* x, int64_t heads, int64_t D, const float* cos, const float* sin) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* v = x + h * D;
+    for (int64_t d = 0; d < half; ++d) {
+      const float a = v[d], b = v[d + half];
+      v[d] = a * cos[d] - b * sin[d];
+      v[d + half] = b * cos[d + half] + a * sin[d + half];
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor row_gemm(const torch::Tensor& x_in, const torch::Tensor& w) {
+  check_operands(x_in, w, "row_gemm");
+  const torch::Tensor x = x_in.contiguous();
+  torch::Tensor out = torch::empty({x.size(0), w.size(0)}, x.options());
+  gemm_rows(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), x.size(0),
+            x.size(1), w.size(0), /*accumulate=*/false);
+  return out;
+}
+
+// One decoder layer for one new token per row; `x` [B, hidden] is updated in place. The new
+// key/value go to column `length` of buf_k / buf_v [B, n_kv, capacity, D] (capacity > length);
+// attention covers columns 0..length where mask [B, length + 1] (bool) is true. cos/sin [B, D]
+// are the rotary embedding's values at each row's position.
+void decode_layer(torch::Tensor x, const torch::Tensor& norm_in, double eps_in,
+                  const torch::Tensor& wq, const c10::optional<torch::Tensor>& bq,
+                  const torch::Tensor& wk, const c10::optional<torch::Tensor>& bk,
+                  const torch::Tensor& wv, const c10::optional<torch::Tensor>& bv,
+                  const torch::Tensor& wo, const c10::optional<torch::Tensor>& bo,
+                  const torch::Tensor& norm_post, double eps_post,
+                  const torch::Tensor& wg, const c10::optional<torch::Tensor>& bg,
+                  const torch::Tensor& wu, const c10::optional<torch::Tensor>& bu,
+                  const torch::Tensor& wd, const c10::optional<torch::Tensor>& bd,
+                  torch::Tensor buf_k, torch::Tensor buf_v, int64_t length,
+                  const torch::Tensor& mask, const torch::Tensor& cos, const torch::Tensor& sin,
+                  int64_t n_heads, int64_t n_kv, double scaling, int64_t max_rows,
+                  int64_t min_numel) {
+  const Routing r{max_rows, min_numel};
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat, "decode_layer: x");
+  const int64_t B = x.size(0), H = x.size(1), D = buf_k.size(3), T = length + 1;
+  TORCH_CHECK(buf_k.size(2) > length && buf_v.sizes() == buf_k.sizes() && buf_k.stride(3) == 1 &&
+                  buf_v.stride(3) == 1 && buf_k.size(0) == B && buf_k.size(1) == n_kv,
+              "decode_layer: KV buffers");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.size(0) == B &&
+                  mask.size(1) == T,
+              "decode_layer: mask [B, length + 1] bool expected, got ", mask.sizes());
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D, "decode_layer: rope");
+  const auto opts = x.options();
+  torch::Tensor h = torch::empty({B, H}, opts);
+  torch::Tensor q = torch::empty({B, n_heads * D}, opts);
+  torch::Tensor k = torch::empty({B, n_kv * D}, opts);
+  torch::Tensor v = torch::empty({B, n_kv * D}, opts);
+  torch::Tensor o = torch::empty({B, n_heads * D}, opts);
+
+  rms_norm(x.data_ptr<float>(), norm_in.data_ptr<float>(), h.data_ptr<float>(), B, H, eps_in);
+  project(h, wq, bq, q, false, r);
+  project(h, wk, bk, k, false, r);
+  project(h, wv, bv, v, false, r);
+
+  float* kb = buf_k.data_ptr<float>();
+  float* vb = buf_v.data_ptr<float>();
+  const int64_t s0 = buf_k.stride(0), s1 = buf_k.stride(1), s2 = buf_k.stride(2);
+  const int64_t t0 = buf_v.stride(0), t1 = buf_v.stride(1), t2 = buf_v.stride(2);
+  for (int64_t b = 0; b < B; ++b) {
+    const float* c = cos.data_ptr<float>() + b * D;
+    const float* s = sin.data_ptr<float>() + b * D;
+    rotate(q.data_ptr<float>() + b * n_heads * D, n_heads, D, c, s);
+    rotate(k.data_ptr<float>() + b * n_kv * D, n_kv, D, c, s);
+    for (int64_t g = 0; g < n_kv; ++g) {
+      const float* kr = k.data_ptr<float>() + (b * n_kv + g) * D;
+      const float* vr = v.data_ptr<float>() + (b * n_kv + g) * D;
+      float* kd = kb + b * s0 + g * s1 + length * s2;
+      float* vd = vb + b * t0 + g * t1 + length * t2;
+      for (int64_t d = 0; d < D; ++d) kd[d] = kr[d], vd[d] = vr[d];
+    }
+  }
+
+  // Attention: each query head reads its key/value head (grouped-query attention).
+  const int64_t groups = n_heads / n_kv;
+  const bool* mk = mask.data_ptr<bool>();
+  const float* qp = q.data_ptr<float>();
+  float* op = o.data_ptr<float>();
+  at::parallel_for(0, B * n_heads, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p(T);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / n_heads, hd = i % n_heads, g = hd / groups;
+      const float* qv = qp + i * D;
+      const float* keys = kb + b * s0 + g * s1;
+      const float* vals = vb + b * t0 + g * t1;
+      const bool* live = mk + b * T;
+      float mx = -INFINITY;
+      for (int64_t t = 0; t < T; ++t) {
+        if (!live[t]) continue;
+        p[t] = dot(qv, keys + t * s2, D) * static_cast<float>(scaling);
+        mx = std::max(mx, p[t]);
+      }
+      float total = 0.f;
+      for (int64_t t = 0; t < T; ++t) {
+        p[t] = live[t] ? std::exp(p[t] - mx) : 0.f;
+        total += p[t];
+      }
+      float* out = op + i * D;
+      for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
+      for (int64_t t = 0; t < T; ++t) {
+        if (p[t] == 0.f) continue;
+        axpy(p[t] / total, vals + t * t2, out, D);
+      }
+    }
+  });
+  project(o, wo, bo, x, /*accumulate=*/true, r);
+
+  // MLP: x += down(silu(gate(h)) * up(h)).
+  const int64_t I = wg.size(0);
+  torch::Tensor gate = torch::empty({B, I}, opts);
+  torch::Tensor up = torch::empty({B, I}, opts);
+  rms_norm(x.data_ptr<float>(), norm_post.data_ptr<float>(), h.data_ptr<float>(), B, H, eps_post);
+  project(h, wg, bg, gate, false, r);
+  project(h, wu, bu, up, false, r);
+  float* gp = gate.data_ptr<float>();
+  const float* upp = up.data_ptr<float>();
+  for (int64_t i = 0; i < B * I; ++i) gp[i] = gp[i] / (1.f + std::exp(-gp[i])) * upp[i];
+  project(gate, wd, bd, x, /*accumulate=*/true, r);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("row_gemm", &row_gemm, "x [M, K] @ w [N, K].T for few rows M (float32, CPU)");
+  m.def("decode_layer", &decode_layer, "one Llama decoder layer for one token per row");
+}
