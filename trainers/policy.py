@@ -53,6 +53,8 @@ class PolicyWorker:
         # sharded: neither an FSDP2 nor a ZeRO-3 module can be deep-copied.
         self.ref_model = self._frozen_copy() if cfg.algo.kl_coef > 0 else None
         critic = ValueModel(copy.deepcopy(self.model)) if cfg.algo.estimator == "gae" else None
+        # After the copies: the critic's backbone keeps a dense embedding gradient.
+        self.sparse_embedding = cfg.backend == "local" and _sparse_tied_embedding(self.model)
         self.sharded = cfg.backend == "fsdp2"
         if self.sharded:
             from trainers import fsdp
@@ -178,19 +180,22 @@ class PolicyWorker:
             inputs = {"input_ids": ids, "attention_mask": attn}
         with self._autocast():
             if self.cfg.packing and _accepts_logits_to_keep(model):
-                # Packed: one row, so the kept positions are exactly the ones we need.
-                logits = model(**inputs, use_cache=False, logits_to_keep=flat).logits[0]
+                # Packed: one row, so the kept positions are exactly the ones we need. A view
+                # (`[0]` would cost a zero-filled [T, V] gradient and a copy in the backward).
+                logits = model(**inputs, use_cache=False, logits_to_keep=flat).logits.squeeze(0)
             else:
                 logits = model(**inputs, use_cache=False).logits
                 logits = logits.reshape(-1, logits.shape[-1])[flat]
-        logits = logits.float()  # logprobs, entropies and losses in float32
+        # Log-probs, entropies and losses in float32: the helpers upcast bf16 logits themselves.
         logp = batch.mask.new_zeros(len(idx), n - 1)
-        logp[rows, cols] = A.logprobs_from_logits(logits[None], targets[None], temperature=temp)[0]
-        ent = None
-        if entropy:
-            with torch.set_grad_enabled(self.cfg.algo.entropy_coef > 0 and torch.is_grad_enabled()):
-                ent = batch.mask.new_zeros(len(idx), n - 1)
-                ent[rows, cols] = A.entropy_from_logits(logits[None], temperature=temp)[0]
+        if not entropy:
+            logp[rows, cols] = A.logprobs_from_logits(logits[None], targets[None], temp)[0]
+            return logp, None
+        # One log-softmax for both; the entropy is only a logged metric without an entropy bonus.
+        logp_m, ent_m = A.logprobs_and_entropy_from_logits(logits[None], targets[None], temp)
+        logp[rows, cols] = logp_m[0]
+        ent = batch.mask.new_zeros(len(idx), n - 1)
+        ent[rows, cols] = ent_m[0] if self.cfg.algo.entropy_coef > 0 else ent_m[0].detach()
         return logp, ent
 
     def _autocast(self) -> Any:
@@ -393,9 +398,13 @@ class PolicyWorker:
             norm = self.ds.get_global_grad_norm()
             totals["grad_norm"] = float(norm) if norm is not None else 0.0
         else:
+            if self.sparse_embedding:
+                _densify_grads(self.model)
             if cfg.actor.max_grad_norm > 0:
+                # FSDP2's gradients are DTensors, whose norm is only known after a collective.
+                clip = torch.nn.utils.clip_grad_norm_ if self.sharded else _clip_grad_norm
                 totals["grad_norm"] = fsdp.full_norm(
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.actor.max_grad_norm)
+                    clip(list(self.model.parameters()), cfg.actor.max_grad_norm)
                 )
             self.optimizer.step()
             # Gradients are not needed until the next backward; free them for the rollout.
@@ -593,6 +602,43 @@ def _fusable(model: torch.nn.Module) -> bool:
     return all(
         p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in model.parameters()
     )
+
+
+def _sparse_tied_embedding(model: torch.nn.Module) -> bool:
+    """Give the input embedding a sparse gradient if it shares its weight with the lm_head, and
+    say whether it does.
+
+    A dense embedding backward writes a zero [vocab, hidden] gradient that autograd then adds
+    to the lm_head's: a fill and an add, 60-90 ms a backward for SmolLM2-135M on CPU. A sparse
+    one is added to it in one copy (30-40 ms). The sum, hence `.grad`, stays dense, as fused
+    AdamW and the norm need: the lm_head's dense gradient is part of every backward. For the
+    local backend only, FSDP2 and DeepSpeed owning the gradients' layout.
+    """
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or head.weight is not embedding.weight:
+        return False
+    embedding.sparse = True
+    return True
+
+
+def _densify_grads(model: torch.nn.Module) -> None:
+    """Make sparse `.grad`s dense: a sparse tied embedding's gradient is dense already unless a
+    step's backward somehow missed the lm_head, and fused AdamW would then fail."""
+    for param in model.parameters():
+        if param.grad is not None and param.grad.is_sparse:
+            param.grad = param.grad.to_dense()
+
+
+def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:
+    """`torch.nn.utils.clip_grad_norm_`, bit for bit, but without scaling when it would scale by
+    exactly 1.0, i.e. when `max_norm / (norm + 1e-6) >= 1` (its own formula): torch multiplies
+    every gradient anyway to spare accelerators a host sync, which we pay for the logged norm
+    regardless; for SmolLM2-135M on CPU that multiplication is ~30 ms a step. A NaN or inf norm
+    still scales (by NaN or 0), as before."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    if not bool(max_norm / (norm + 1e-6) >= 1.0):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
 
 
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -261,34 +262,118 @@ def logprobs_from_logits(
 ) -> Tensor:
     """``log softmax(logits / temperature)[label]`` per token: ``[B, T, V], [B, T] -> [B, T]``.
 
-    Computed one sequence at a time in float32, so the extra memory is one ``[T, V]`` slice
-    rather than a second ``[B, T, V]`` tensor (the logits themselves may be bf16).
+    Computed one sequence at a time in float32 (float64 logits stay float64), so the extra
+    memory is one ``[T, V]`` slice rather than a second ``[B, T, V]`` tensor (the logits
+    themselves may be bf16). The gradient is that of
+    :func:`logprobs_and_entropy_from_logits`.
     """
-    _check_temperature(temperature)
-    rows = []
-    for logits_TV, labels_T in zip(logits_BTV, labels_BT, strict=True):
-        logp_TV = torch.log_softmax(_scaled(logits_TV, temperature), dim=-1)
-        rows.append(logp_TV.gather(-1, labels_T.long().unsqueeze(-1)).squeeze(-1))
-    return torch.stack(rows) if rows else logits_BTV.new_zeros(labels_BT.shape, dtype=torch.float)
-
-
-def _scaled(logits_TV: Tensor, temperature: float) -> Tensor:
-    """float32 logits / temperature (no [T, V] division at temperature 1: x / 1 == x)."""
-    z_TV = logits_TV.float()
-    return z_TV if temperature == 1.0 else z_TV / temperature
+    return _log_softmax_terms(logits_BTV, labels_BT, temperature, entropy=False)[0]
 
 
 def entropy_from_logits(logits_BTV: Tensor, *, temperature: float = 1.0) -> Tensor:
     """Entropy of ``softmax(logits / temperature)`` per token: ``[B, T, V] -> [B, T]``.
 
-    ``H = logsumexp(z) - sum_v softmax(z)_v z_v``; use the same temperature as the log-probs.
-    One sequence at a time in float32, like :func:`logprobs_from_logits`.
+    ``H = -sum_v p_v log p_v``; use the same temperature as the log-probs. One sequence at a
+    time in float32, like :func:`logprobs_from_logits`.
     """
+    return _log_softmax_terms(logits_BTV, None, temperature, entropy=True)[1]
+
+
+def logprobs_and_entropy_from_logits(
+    logits_BTV: Tensor, labels_BT: Tensor, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """:func:`logprobs_from_logits` and :func:`entropy_from_logits` from one log-softmax.
+
+    With ``z = logits / temperature`` and ``p = softmax(z)``: ``logp = log p[label]`` and
+    ``H = -sum_v p_v log p_v``, ``[B, T, V], [B, T] -> ([B, T], [B, T])``. The backward is one
+    pass over the saved ``p``, ``dlogp/dz = onehot(label) - p`` and ``dH/dz = -p (log p + H)``,
+    written straight into the logits' gradient: autograd's own chain (zeros and a scatter for
+    the gather, the log-softmax backward, a stack of the sequences) writes three more
+    ``[B, T, V]`` tensors, and a separate entropy computes the softmax again.
+    """
+    logp_BT, ent_BT = _log_softmax_terms(logits_BTV, labels_BT, temperature, entropy=True)
+    assert ent_BT is not None
+    return logp_BT, ent_BT
+
+
+def _log_softmax_terms(
+    logits_BTV: Tensor, labels_BT: Tensor | None, temperature: float, *, entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs of ``labels_BT`` and, if ``entropy``, entropies, ``[B, T]``; through
+    :class:`_LogProbEntropy` when a gradient is to flow back to the logits. Without labels
+    (the entropy alone) the log-probs are those of token 0, for the caller to drop."""
     _check_temperature(temperature)
-    rows = []
-    for logits_TV in logits_BTV:
-        z_TV = _scaled(logits_TV, temperature)
-        probs_TV = torch.softmax(z_TV, dim=-1)
-        rows.append(torch.logsumexp(z_TV, dim=-1) - (probs_TV * z_TV).sum(-1))
-    return torch.stack(rows) if rows else logits_BTV.new_zeros(logits_BTV.shape[:2],
-                                                               dtype=torch.float)
+    if labels_BT is None:
+        labels_BT = logits_BTV.new_zeros(logits_BTV.shape[:2], dtype=torch.long)
+    if torch.is_grad_enabled() and logits_BTV.requires_grad:
+        return _LogProbEntropy.apply(logits_BTV, labels_BT, temperature, entropy)
+    logp_BT, ent_BT, _ = _forward_rows(logits_BTV, labels_BT, temperature, entropy, False)
+    return logp_BT, ent_BT
+
+
+def _forward_rows(
+    logits_BTV: Tensor, labels_BT: Tensor, temperature: float, entropy: bool, keep_probs: bool
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``(logp_BT, ent_BT or None, probs_BTV or None)``, one sequence at a time."""
+    dtype = torch.promote_types(logits_BTV.dtype, torch.float32)
+    logp_BT = logits_BTV.new_empty(labels_BT.shape, dtype=dtype)
+    ent_BT = logits_BTV.new_empty(labels_BT.shape, dtype=dtype) if entropy else None
+    probs_BTV = logits_BTV.new_empty(logits_BTV.shape, dtype=dtype) if keep_probs else None
+    for b, (logits_TV, labels_T) in enumerate(zip(logits_BTV, labels_BT, strict=True)):
+        logp_TV = torch.log_softmax(_scaled(logits_TV, temperature), dim=-1)
+        logp_BT[b] = logp_TV.gather(-1, labels_T.long().unsqueeze(-1)).squeeze(-1)
+        if probs_BTV is not None or ent_BT is not None:
+            p_TV = torch.exp(logp_TV, out=probs_BTV[b] if probs_BTV is not None else None)
+            # In place, logp_TV being done with: on CPU a fresh [T, V] of a 49k vocabulary is
+            # page-faulted in at a cost like the product's own.
+            if ent_BT is not None:
+                ent_BT[b] = -logp_TV.mul_(p_TV).sum(-1)
+    return logp_BT, ent_BT, probs_BTV
+
+
+def _scaled(logits_TV: Tensor, temperature: float) -> Tensor:
+    """Upcast logits / temperature (no [T, V] division at temperature 1: x / 1 == x)."""
+    z_TV = logits_TV.to(torch.promote_types(logits_TV.dtype, torch.float32))
+    return z_TV if temperature == 1.0 else z_TV / temperature
+
+
+class _LogProbEntropy(torch.autograd.Function):
+    """Log-probs and (optionally) entropies with the one-pass backward of
+    :func:`logprobs_and_entropy_from_logits`; saves ``p``, as ``log_softmax`` saves its output."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits_BTV: Tensor, labels_BT: Tensor, temperature: float, entropy: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        logp_BT, ent_BT, probs_BTV = _forward_rows(
+            logits_BTV, labels_BT, temperature, entropy, True
+        )
+        ctx.set_materialize_grads(False)  # an unused entropy (a logged metric) costs nothing
+        ctx.save_for_backward(probs_BTV, labels_BT, ent_BT)
+        ctx.temperature, ctx.logits_dtype = temperature, logits_BTV.dtype
+        return logp_BT, ent_BT
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # the backward is not itself differentiable
+    def backward(
+        ctx: Any, grad_logp_BT: Tensor | None, grad_ent_BT: Tensor | None
+    ) -> tuple[Tensor, None, None, None]:
+        probs_BTV, labels_BT, ent_BT = ctx.saved_tensors
+        grad_BTV = probs_BTV.new_empty(probs_BTV.shape, dtype=ctx.logits_dtype)
+        in_place = grad_BTV.dtype == probs_BTV.dtype
+        for b, p_TV in enumerate(probs_BTV):
+            dz_TV = grad_BTV[b] if in_place else torch.empty_like(p_TV)
+            if grad_logp_BT is None:
+                dz_TV.zero_()
+            else:  # g (onehot(label) - p)
+                g_T = grad_logp_BT[b]
+                torch.mul(p_TV, -g_T[:, None], out=dz_TV)
+                dz_TV.scatter_add_(-1, labels_BT[b, :, None].long(), g_T[:, None])
+            if grad_ent_BT is not None:  # -h p (log p + H); xlogy is 0 where p underflowed
+                term_TV = torch.special.xlogy(p_TV, p_TV).add_(p_TV * ent_BT[b, :, None])
+                dz_TV.sub_(term_TV.mul_(grad_ent_BT[b, :, None]))
+            if ctx.temperature != 1.0:
+                dz_TV.div_(ctx.temperature)
+            if not in_place:
+                grad_BTV[b] = dz_TV
+        return grad_BTV, None, None, None

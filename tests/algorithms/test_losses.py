@@ -13,6 +13,7 @@ from agentrl.algorithms import (
     POLICY_LOSSES,
     aggregate_loss,
     entropy_from_logits,
+    logprobs_and_entropy_from_logits,
     logprobs_from_logits,
     policy_loss,
     register_policy_loss,
@@ -254,6 +255,75 @@ def test_logprobs_from_bf16_logits_are_float32_with_full_gradient() -> None:
     bf16 = logprobs_from_logits(logits.detach().bfloat16(), labels)
     assert bf16.dtype == torch.float32 and bf16.shape == (3, 4)
     assert entropy_from_logits(logits.detach().bfloat16()).dtype == torch.float32
+
+
+def _reference_logp_entropy(logits: Tensor, labels: Tensor, temperature: float) -> Tensor:
+    """``[logp, H]`` in float64 through the textbook formulas, differentiable by autograd."""
+    z = logits.double() / temperature
+    logp_v = torch.log_softmax(z, -1)
+    logp = logp_v.gather(-1, labels[..., None]).squeeze(-1)
+    entropy = -(logp_v.exp() * logp_v).sum(-1)
+    return torch.stack([logp, entropy])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("used", [("logp", "entropy"), ("logp",), ("entropy",)])
+def test_logprobs_and_entropy_values_and_gradients_match_float64(
+    temperature: float, used: tuple[str, ...]
+) -> None:
+    """Against float64 autograd, with a loss on both outputs or on one (an output left out of
+    the loss, like the entropy as a logged metric, gets no gradient at all)."""
+    logits = (3 * torch.randn(3, 4, 9)).requires_grad_()
+    labels = torch.randint(0, 9, (3, 4))
+    logp, entropy = logprobs_and_entropy_from_logits(logits, labels, temperature)
+    assert logp.dtype == entropy.dtype == torch.float32
+    ref = _reference_logp_entropy(logits, labels, temperature)
+    torch.testing.assert_close(logp, ref[0].float())
+    torch.testing.assert_close(entropy, ref[1].float())
+    outputs = {"logp": (logp, ref[0]), "entropy": (entropy, ref[1])}
+    weights = {name: torch.randn(3, 4) for name in used}
+    (got,) = torch.autograd.grad(sum((weights[k] * outputs[k][0]).sum() for k in used), logits)
+    (want,) = torch.autograd.grad(sum((weights[k] * outputs[k][1]).sum() for k in used), logits)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_logprobs_and_entropy_pass_gradcheck_in_float64() -> None:
+    logits = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 6, (2, 3))
+    for temperature in (1.0, 0.6):
+        assert torch.autograd.gradcheck(
+            lambda x, t=temperature: logprobs_and_entropy_from_logits(x, labels, t), (logits,)
+        )
+        assert torch.autograd.gradcheck(
+            lambda x, t=temperature: entropy_from_logits(x, temperature=t), (logits,)
+        )
+
+
+def test_logprobs_and_entropy_of_bf16_logits_are_those_of_their_float32_values() -> None:
+    """bf16 logits are upcast, not computed in bf16; their gradient is the float32 one, rounded."""
+    logits = torch.randn(2, 5, 33).bfloat16()
+    labels = torch.randint(0, 33, (2, 5))
+    w = torch.randn(2, 2, 5)
+    grads, outs = [], []
+    for x in (logits.clone().requires_grad_(), logits.float().requires_grad_()):
+        out = torch.stack(logprobs_and_entropy_from_logits(x, labels, 0.8))
+        grads.append(torch.autograd.grad((w * out).sum(), x)[0])
+        outs.append(out)
+    assert outs[0].dtype == torch.float32 and grads[0].dtype == torch.bfloat16
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    torch.testing.assert_close(grads[0], grads[1].bfloat16(), rtol=0, atol=0)
+
+
+def test_logprobs_and_entropy_without_gradients_equal_the_public_functions() -> None:
+    logits, labels = torch.randn(2, 4, 10), torch.randint(0, 10, (2, 4))
+    with torch.no_grad():
+        logp, entropy = logprobs_and_entropy_from_logits(logits, labels, 0.9)
+    with_grad = logprobs_and_entropy_from_logits(logits.requires_grad_(), labels, 0.9)
+    torch.testing.assert_close(logp, logprobs_from_logits(logits, labels, 0.9), rtol=0, atol=0)
+    torch.testing.assert_close(entropy, entropy_from_logits(logits, temperature=0.9))
+    torch.testing.assert_close(with_grad[0], logp, rtol=0, atol=0)
+    torch.testing.assert_close(with_grad[1], entropy, rtol=0, atol=0)
 
 
 def test_register_policy_loss(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,118 @@
+"""The policy update's shortcuts against the plain computations they replace: the fused
+log-prob/entropy pass, the sparse tied-embedding gradient and the gradient clipping."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from trainers.policy import _clip_grad_norm, _densify_grads, _sparse_tied_embedding
+
+LAYOUTS = {"packed": {"packing": True, "share_prefixes": False}, "padded": {"packing": False}}
+
+
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.1])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_forward_values_and_gradients_match_a_plain_forward(
+    make_cfg, recorded_rollouts, layout, entropy_coef
+):
+    """`_forward` (logits view, one log-softmax, custom backward, sparse embedding gradient)
+    against one plain forward per row with autograd's log-softmax, softmax entropy and a dense
+    embedding gradient."""
+    from agentrl.types import load_jsonl
+    from trainers.batch import collate
+    from trainers.policy import PolicyWorker
+
+    cfg = make_cfg(
+        algo={"entropy_coef": entropy_coef}, rollout={"temperature": 0.8}, **LAYOUTS[layout]
+    )
+    worker = PolicyWorker(cfg, with_engine=False)
+    assert worker.sparse_embedding and worker.model.get_input_embeddings().sparse
+    plain = copy.deepcopy(worker.model)
+    plain.get_input_embeddings().sparse = False
+    trajs = load_jsonl(recorded_rollouts)[:6]
+    batch = collate(trajs, worker.pad_id)
+    n = int(batch.lengths.max())
+    w_logp, w_ent = torch.randn(2, 6, n - 1).mul(batch.mask[:, : n - 1]).unbind()
+
+    logp, ent = worker._forward(worker.model, batch, torch.arange(6), n, entropy=True)
+    assert ent is not None and ent.requires_grad == (entropy_coef > 0)
+    ((w_logp * logp).sum() + (w_ent * ent).sum()).backward()
+
+    loss = torch.zeros(())
+    for b, traj in enumerate(trajs):
+        ids = torch.tensor([traj.token_ids])
+        z = plain(input_ids=ids).logits[0, :-1] / 0.8
+        logp_v = torch.log_softmax(z, -1)
+        ref_logp = logp_v.gather(-1, ids[0, 1:, None])[:, 0]
+        ref_ent = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
+        sel = batch.mask[b, : len(traj.token_ids) - 1].bool()
+        torch.testing.assert_close(logp[b, : len(sel)][sel], ref_logp[sel], atol=1e-5, rtol=0)
+        torch.testing.assert_close(ent[b, : len(sel)][sel], ref_ent[sel], atol=1e-5, rtol=1e-5)
+        loss = loss + (w_logp[b, : len(sel)] * ref_logp).sum()
+        if entropy_coef > 0:
+            loss = loss + (w_ent[b, : len(sel)] * ref_ent).sum()
+    loss.backward()
+    for (name, p), ref in zip(worker.model.named_parameters(), plain.parameters(), strict=True):
+        assert p.grad is not None and not p.grad.is_sparse, name
+        scale = float(ref.grad.abs().max()) + 1e-12
+        torch.testing.assert_close(p.grad, ref.grad, atol=1e-5 * scale, rtol=1e-4, msg=name)
+
+
+def test_sparse_embedding_gradient_only_for_tied_weights(make_cfg):
+    from agentrl.models import load_model
+    from trainers.policy import PolicyWorker
+
+    untied = load_model("tiny")
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    assert not _sparse_tied_embedding(untied) and not untied.get_input_embeddings().sparse
+    worker = PolicyWorker(make_cfg(algo={"estimator": "gae"}), with_engine=False)
+    assert worker.sparse_embedding
+    # The critic is a copy of the backbone taken before: its embedding keeps a dense gradient.
+    assert worker.critic is not None and not worker.critic.backbone.embed_tokens.sparse
+
+
+def test_densify_grads_makes_sparse_gradients_dense():
+    emb = torch.nn.Embedding(5, 3, sparse=True)
+    emb(torch.tensor([1, 1, 4])).sum().backward()
+    want = emb.weight.grad.to_dense()
+    _densify_grads(emb)
+    assert emb.weight.grad.layout == torch.strided
+    assert torch.equal(emb.weight.grad, want)
+
+
+@pytest.mark.parametrize(
+    ("ratio", "poison", "scales"),
+    [
+        (2.0, None, False),  # max_norm = 2 norm: torch would multiply by exactly 1.0
+        (1.0 + 1e-7, None, True),  # above the norm, below norm + 1e-6: torch scales by < 1
+        (1.0, None, True),  # at the norm
+        (0.3, None, True),  # below the norm
+        (2.0, float("nan"), True),  # NaN norm: grads become NaN, as with torch
+        (2.0, float("inf"), True),  # inf norm: scaled by 0 (inf * 0 = NaN), as with torch
+    ],
+)
+def test_clip_grad_norm_is_bit_identical_to_torch(monkeypatch, ratio, poison, scales):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in ((4, 3), (7,), (2, 2, 2))]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    max_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params])) * ratio
+    if poison is not None:
+        params[1].grad[3] = poison
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for r, p in zip(ref, params, strict=True):
+        r.grad = p.grad.clone()
+    want = torch.nn.utils.clip_grad_norm_(ref, max_norm)
+    calls = []
+    clip = torch.nn.utils.clip_grads_with_norm_
+    monkeypatch.setattr(
+        torch.nn.utils, "clip_grads_with_norm_", lambda *a, **k: calls.append(1) or clip(*a, **k)
+    )
+    got = _clip_grad_norm(params, max_norm)
+    assert bool(calls) == scales
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    for p, r in zip(params, ref, strict=True):
+        torch.testing.assert_close(p.grad, r.grad, rtol=0, atol=0, equal_nan=True)
