@@ -10,9 +10,14 @@ CPU_INDEX := https://download.pytorch.org/whl/cpu
 setup: $(BIN)/agentrl
 
 $(BIN)/agentrl: pyproject.toml
-	@command -v bwrap >/dev/null || (command -v apt-get >/dev/null && \
-	  (apt-get install -y -q bubblewrap >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null)) \
-	  || echo "warning: could not install bubblewrap; math-tir's sandbox will refuse to run unisolated")
+	# Debian packages: bubblewrap isolates model-written code (math-tir's sandbox refuses to run
+	# without it); g++ and ninja build agentrl's CPU decode kernels (torch is used without them).
+	@for need in bwrap:bubblewrap g++:g++ ninja:ninja-build; do \
+	  cmd=$${need%%:*}; pkg=$${need#*:}; \
+	  command -v $$cmd >/dev/null || (command -v apt-get >/dev/null && \
+	    (apt-get install -y -q $$pkg >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q $$pkg >/dev/null)) \
+	    || echo "warning: could not install the Debian package $$pkg"); \
+	done
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first, pinned, from the CPU index: an unpinned torch would pull the CUDA build.

@@ -19,9 +19,11 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 PROMPTS = [
@@ -51,7 +53,8 @@ def run_agentrl(steps: int, use_ray: bool, gc: bool, bf16: bool) -> dict:
         dataset=[{"prompt": p} for p in PROMPTS],
         reward_fn=lambda prompt, response, label: length_reward(response),
     )
-    run_dir = f"/tmp/agentrl-bench-{os.getpid()}"
+    # The run directory (checkpoint, HF export: ~2 GB) only serves this measurement.
+    run_dir = tempfile.mkdtemp(prefix="agentrl-bench-")
     cfg = TrainConfig(
         env="bench/LengthReward-v0",
         actor=ActorConfig(
@@ -73,9 +76,13 @@ def run_agentrl(steps: int, use_ray: bool, gc: bool, bf16: bool) -> dict:
         seed=42,
     )
     t0 = time.perf_counter()
-    Trainer(cfg).run()
-    total = time.perf_counter() - t0
-    rows = [json.loads(x) for x in open(f"{run_dir}/metrics.jsonl")]
+    try:
+        Trainer(cfg).run()
+        total = time.perf_counter() - t0
+        with open(f"{run_dir}/metrics.jsonl") as f:
+            rows = [json.loads(x) for x in f]
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
     return {
         "step_times": [r["time_step"] for r in rows],
         "phases": {k: [r[f"time_{k}"] for r in rows] for k in ("rollout", "update")},
@@ -91,6 +98,7 @@ def run_trl(steps: int, bf16: bool) -> dict:
     from agentrl.models.embedded import embedded_dir, make_trainable
 
     path = str(embedded_dir())
+    out_dir = tempfile.mkdtemp(prefix="trl-bench-")  # save_strategy="no": stays small
     model = AutoModelForCausalLM.from_pretrained(path)
     make_trainable(model)
     tok = AutoTokenizer.from_pretrained(path)
@@ -109,7 +117,7 @@ def run_trl(steps: int, bf16: bool) -> dict:
             times.append(time.perf_counter() - self.t)
 
     cfg = GRPOConfig(
-        output_dir=f"/tmp/trl-bench-{os.getpid()}",
+        output_dir=out_dir,
         per_device_train_batch_size=8,
         gradient_accumulation_steps=1,
         num_generations=4,
@@ -137,7 +145,10 @@ def run_trl(steps: int, bf16: bool) -> dict:
         callbacks=[Timer()],
     )
     t0 = time.perf_counter()
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
     return {"step_times": times, "total_s": time.perf_counter() - t0}
 
 

@@ -242,6 +242,25 @@ async def test_multi_turn_prefix_is_reused(engine, model, prompts):
     assert second.token_ids == hf_greedy(model, turn2, 16)[: len(second.token_ids)]
 
 
+@pytest.mark.parametrize("window", [0.0, 0.1])
+async def test_requests_arriving_together_are_admitted_together(
+    model, tiny_tokenizer, prompts, window
+):
+    # Three requests 25 ms apart: inside a 100 ms admission window they share one prefill
+    # pass; without a window each is admitted on arrival, the earlier ones still decoding.
+    params = SamplingParams(temperature=0, max_tokens=200)
+    with TransformersEngine(model, tiny_tokenizer, admission_window=window) as engine:
+        await engine.generate(prompts[4], SamplingParams(max_tokens=2))  # warm-up
+        engine.counters.clear()
+        tasks = []
+        for p in prompts[:3]:
+            tasks.append(asyncio.create_task(engine.generate(p, params)))
+            await asyncio.sleep(0.025)
+        done = await asyncio.gather(*tasks)
+        assert engine.counters["admissions"] == (1 if window else 3)
+    assert min(len(c.token_ids) for [c] in done) > 40  # still decoding when the others came
+
+
 async def test_sleep_wake(engine, prompts):
     [a] = await engine.generate(prompts[0], GREEDY)
     engine.sleep()
