@@ -167,7 +167,10 @@ def _child(opts: argparse.Namespace) -> None:
 
 def _spawn(which: str, argv: list[str]) -> dict:
     proc = subprocess.run(
-        [sys.executable, __file__, *argv, "--child", which], capture_output=True, text=True
+        [sys.executable, __file__, *argv, "--child", which],
+        check=False,  # a failed child is reported below, with its stderr
+        capture_output=True,
+        text=True,
     )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
