@@ -5,7 +5,6 @@ writes the same KV cache, is what the engine runs for small float32 batches, and
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 import shutil
@@ -20,7 +19,7 @@ from agentrl.engine.kv import BatchCache
 from agentrl.engine.llama import decode_logits
 from agentrl.types import SamplingParams
 
-from ._models import llama_variant, prefill_cache
+from ._models import generate_together, llama_variant, prefill_cache
 
 pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None or shutil.which("ninja") is None,
@@ -184,12 +183,7 @@ async def test_engine_decodes_with_the_kernels(module, tiny_tokenizer, prompts):
         with TransformersEngine(
             model, tiny_tokenizer, max_batch_size=8, prefix_cache_bytes=0, cpu_kernels=cpu_kernels
         ) as engine:
-            engine.sleep()
-            tasks = [asyncio.create_task(engine.generate(p, s)) for p, s in requests]
-            while engine.num_waiting < len(requests):
-                await asyncio.sleep(0.001)
-            engine.wake()
-            results[cpu_kernels] = await asyncio.gather(*tasks)
+            results[cpu_kernels] = await generate_together(engine, requests)
             steps = engine.counters["decode_steps"]
             assert engine.counters["lean_decode_steps"] == steps > 0
             assert engine.counters["kernel_decode_steps"] == (steps if cpu_kernels else 0)

@@ -3,8 +3,6 @@ used by the engine where it applies, and bypassed where it would not reproduce t
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
@@ -13,7 +11,7 @@ from agentrl.engine.kv import BatchCache
 from agentrl.engine.llama import decode_logits
 from agentrl.types import SamplingParams
 
-from ._models import llama_variant, prefill_cache, sharp_tiny_model
+from ._models import generate_together, llama_variant, prefill_cache, sharp_tiny_model
 
 
 def _decode_both(model, prompts, steps):
@@ -93,14 +91,7 @@ async def test_engine_samples_the_same_with_and_without_the_lean_step(
             lean_decode=lean,
             cpu_kernels=False,
         ) as engine:
-            # Admit all requests in one batch (as the worker's timing would not guarantee):
-            # batches of other shapes may round differently in the last bits.
-            engine.sleep()
-            tasks = [asyncio.create_task(engine.generate(p, s)) for p, s in requests]
-            while engine.num_waiting < len(requests):
-                await asyncio.sleep(0.001)
-            engine.wake()
-            results[lean] = await asyncio.gather(*tasks)
+            results[lean] = await generate_together(engine, requests)
             assert (engine.counters["lean_decode_steps"] > 0) == lean
             assert engine.counters["lean_decode_steps"] in (0, engine.counters["decode_steps"])
     assert results[True] == results[False]  # tokens, logprobs and top logprobs, exactly
