@@ -8,7 +8,6 @@ version bump.
 from __future__ import annotations
 
 import copy
-import functools
 import math
 import random
 import sys
@@ -21,8 +20,13 @@ import torch
 from torch import Tensor
 
 from agentrl import algorithms as A
+from trainers import host_memory
 from trainers.batch import RolloutBatch, collate, group_sorted, length_sorted, pack
 from trainers.config import TrainConfig
+
+_TRIM_AFTER_KV_BYTES = 256 << 20
+"""Give the heap back to the OS after the engine freed at least this much KV cache: less is
+not worth the page faults of re-touching the memory the update frees and reallocates."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -46,6 +50,8 @@ class PolicyWorker:
         self.rank = rank
         self.tokenizer = load_tokenizer(cfg.actor.model)
         self.model = load_model(cfg.actor.model, dtype=cfg.actor.dtype)
+        if next(self.model.parameters()).device.type == "cpu":
+            host_memory.keep_freed_memory()  # no page faults for each step's fresh tensors
         self.model.train()
         if cfg.actor.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -237,8 +243,10 @@ class PolicyWorker:
         t0 = time.perf_counter()
         self.shared_tokens = 0
         if self.engine is not None:
+            held = self.engine.kv_bytes
             self.engine.sleep()  # colocated: free the KV caches while training
-            _trim_host_memory()
+            if held >= _TRIM_AFTER_KV_BYTES:
+                host_memory.trim()  # the engine thread's heap; see trainers/host_memory.py
         batch = collate(trajectories, self.pad_id)
         needs_old = cfg.epochs_per_step * cfg.minibatches_per_step > 1 or (
             algo.mismatch_correction != "none"
@@ -658,27 +666,6 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     if deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine):
         return model.module
     return model
-
-
-def _trim_host_memory() -> None:
-    """Give freed heap pages back to the OS (glibc keeps them otherwise): on CPU the KV cache
-    freed by `engine.sleep()` would still count against the training step's peak memory."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    """glibc's malloc_trim, looked up once (find_library runs ldconfig), or None elsewhere."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc
-        return None
 
 
 def _rng_state() -> dict[str, Any]:

@@ -278,6 +278,12 @@ class TransformersEngine:
             self.prefix_cache.clear()
         logger.debug("update_weights: version %d, %d tensors copied", version, copied)
 
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of KV cache held: the running batch and the prefix cache."""
+        batch = self._batch
+        return (batch.nbytes() if batch is not None else 0) + self.prefix_cache.nbytes
+
     def sleep(self) -> None:
         """Abort running samples and free the KV caches; new requests wait for `wake()`."""
         with self._cv:
