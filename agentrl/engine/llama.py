@@ -194,7 +194,7 @@ def _kernel_layers(
             w.norm_post, w.eps_post,
             w.gate, w.gate_bias, w.up, w.up_bias, w.down, w.down_bias,
             layer.buf_k, layer.buf_v, layer.length, live, cos, sin,
-            plan.n_heads, plan.n_kv, w.scaling, kernels.MAX_ROWS, kernels.MIN_WEIGHT_NUMEL,
+            plan.n_heads, plan.n_kv, w.scaling, kernels.MIN_WEIGHT_NUMEL,
         )  # fmt: skip
         layer.advance(1)
 

@@ -123,21 +123,16 @@ void check_operands(const torch::Tensor& x, const torch::Tensor& w, const char* 
 
 // ---------------------------------------------------------------------------- decode layer
 
-// Settings shared by all layers of a step: which projections go to gemm_rows.
-struct Routing {
-  int64_t max_rows;
-  int64_t min_numel;
-};
-
-// out = (out +) x @ w^T (+ b): the row kernel where it pays, ATen's GEMM otherwise.
+// out = (out +) x @ w^T (+ b): the row kernel for weights of more than `min_numel` elements,
+// ATen's GEMM for smaller ones (they stay in cache, where BLAS is faster).
 void project(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b,
-             torch::Tensor& out, bool accumulate, const Routing& r) {
+             torch::Tensor& out, bool accumulate, int64_t min_numel) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.dim() == 2 && w.size(1) == K && out.size(0) == M && out.size(1) == N &&
                   w.scalar_type() == at::kFloat && w.is_contiguous(),
               "decode_layer: a [", N, ", ", K, "] float32 contiguous weight expected, got ",
               w.sizes());
-  if (M <= r.max_rows && w.numel() > r.min_numel) {
+  if (w.numel() > min_numel) {
     gemm_rows(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), M, K, N,
               accumulate);
   } else if (accumulate) {
@@ -185,7 +180,8 @@ torch::Tensor row_gemm(const torch::Tensor& x_in, const torch::Tensor& w) {
 // One decoder layer for one new token per row; `x` [B, hidden] is updated in place. The new
 // key/value go to column `length` of buf_k / buf_v [B, n_kv, capacity, D] (capacity > length);
 // attention covers columns 0..length where mask [B, length + 1] (bool) is true. cos/sin [B, D]
-// are the rotary embedding's values at each row's position.
+// are the rotary embedding's values at each row's position. Meant for a few rows (the caller
+// keeps to kernels.MAX_ROWS), where the row kernel beats ATen's GEMM.
 void decode_layer(torch::Tensor x, const torch::Tensor& norm_in, double eps_in,
                   const torch::Tensor& wq, const c10::optional<torch::Tensor>& bq,
                   const torch::Tensor& wk, const c10::optional<torch::Tensor>& bk,
@@ -197,9 +193,7 @@ void decode_layer(torch::Tensor x, const torch::Tensor& norm_in, double eps_in,
                   const torch::Tensor& wd, const c10::optional<torch::Tensor>& bd,
                   torch::Tensor buf_k, torch::Tensor buf_v, int64_t length,
                   const torch::Tensor& mask, const torch::Tensor& cos, const torch::Tensor& sin,
-                  int64_t n_heads, int64_t n_kv, double scaling, int64_t max_rows,
-                  int64_t min_numel) {
-  const Routing r{max_rows, min_numel};
+                  int64_t n_heads, int64_t n_kv, double scaling, int64_t min_numel) {
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat, "decode_layer: x");
   const int64_t B = x.size(0), H = x.size(1), D = buf_k.size(3), T = length + 1;
   TORCH_CHECK(buf_k.size(2) > length && buf_v.sizes() == buf_k.sizes() && buf_k.stride(3) == 1 &&
@@ -217,9 +211,9 @@ void decode_layer(torch::Tensor x, const torch::Tensor& norm_in, double eps_in,
   torch::Tensor o = torch::empty({B, n_heads * D}, opts);
 
   rms_norm(x.data_ptr<float>(), norm_in.data_ptr<float>(), h.data_ptr<float>(), B, H, eps_in);
-  project(h, wq, bq, q, false, r);
-  project(h, wk, bk, k, false, r);
-  project(h, wv, bv, v, false, r);
+  project(h, wq, bq, q, false, min_numel);
+  project(h, wk, bk, k, false, min_numel);
+  project(h, wv, bv, v, false, min_numel);
 
   float* kb = buf_k.data_ptr<float>();
   float* vb = buf_v.data_ptr<float>();
@@ -271,19 +265,19 @@ void decode_layer(torch::Tensor x, const torch::Tensor& norm_in, double eps_in,
       }
     }
   });
-  project(o, wo, bo, x, /*accumulate=*/true, r);
+  project(o, wo, bo, x, /*accumulate=*/true, min_numel);
 
   // MLP: x += down(silu(gate(h)) * up(h)).
   const int64_t I = wg.size(0);
   torch::Tensor gate = torch::empty({B, I}, opts);
   torch::Tensor up = torch::empty({B, I}, opts);
   rms_norm(x.data_ptr<float>(), norm_post.data_ptr<float>(), h.data_ptr<float>(), B, H, eps_post);
-  project(h, wg, bg, gate, false, r);
-  project(h, wu, bu, up, false, r);
+  project(h, wg, bg, gate, false, min_numel);
+  project(h, wu, bu, up, false, min_numel);
   float* gp = gate.data_ptr<float>();
   const float* upp = up.data_ptr<float>();
   for (int64_t i = 0; i < B * I; ++i) gp[i] = gp[i] / (1.f + std::exp(-gp[i])) * upp[i];
-  project(gate, wd, bd, x, /*accumulate=*/true, r);
+  project(gate, wd, bd, x, /*accumulate=*/true, min_numel);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
