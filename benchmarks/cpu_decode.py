@@ -5,6 +5,9 @@
 2. The GRPO benchmark's rollout (2 chat prompts x 4 samples, 32 new tokens, temperature 1) on
    two engines over the same model, `cpu_kernels=False` (baseline: the lean torch step) and
    `cpu_kernels=True`, alternating.
+3. With --baseline-source OLD.cpp (e.g. `git show REV:agentrl/engine/csrc/cpu_decode.cpp >
+   /tmp/old.cpp`): the same rollout with the kernels built from OLD.cpp against the current
+   ones, every sample 32 tokens long (EOS ignored), alternating: a kernel change's effect.
 
     .venv/bin/python benchmarks/cpu_decode.py
 """
@@ -89,12 +92,55 @@ def rollouts(model, tok, rounds: int) -> None:
         e.close()
 
 
+def against_baseline(model, tok, source: str, rounds: int) -> None:
+    from torch.utils.cpp_extension import load
+
+    from agentrl.engine import kernels
+    from agentrl.engine.hf import TransformersEngine
+    from agentrl.types import SamplingParams
+
+    flags = ["-O3", "-march=native", "-fopenmp"]
+    mods = {
+        "baseline": load(name="agentrl_cpu_decode_baseline", sources=[source], extra_cflags=flags,
+                         extra_ldflags=["-fopenmp"]),
+        "current": kernels.module(),
+    }
+    prompts = [
+        list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False))
+        for q in ("What is 2+3?", "What is 7*6?")
+    ]
+    engine = TransformersEngine(model, tok, prefix_cache_bytes=0, seed=0)
+    engine.eos_ids = frozenset()  # every sample decodes 32 tokens: the same work on both sides
+    params = SamplingParams(max_tokens=32, temperature=1.0, n=4)
+    times: dict[str, list[float]] = {name: [] for name in mods}
+    try:
+        for k in range(rounds + 1):
+            for name, mod in mods.items():
+                kernels._module = mod  # read at every decode step
+                t = time.perf_counter()
+                asyncio.run(_gather(engine, prompts, params))
+                if k:  # round 0 warms up
+                    times[name].append(time.perf_counter() - t)
+    finally:
+        kernels._module = mods["current"]
+        engine.close()
+    b, f = statistics.median(times["baseline"]), statistics.median(times["current"])
+    print(f"rollout, 8 rows x 32 tokens, median of {rounds}: kernels from {source} {b:.2f} s, "
+          f"current kernels {f:.2f} s: {b / f:.2f}x")
+
+
+async def _gather(engine, prompts, params):
+    return await asyncio.gather(*[engine.generate(p, params) for p in prompts])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--rows", default="1,4,8,12,16")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--baseline-source", help="compare against kernels built from this .cpp only")
     args = ap.parse_args()
     from agentrl.engine import kernels
     from agentrl.models import load_model, load_tokenizer
@@ -105,6 +151,9 @@ def main() -> None:
     model = load_model(args.model).eval()
     tok = load_tokenizer(args.model)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.model}")
+    if args.baseline_source:
+        against_baseline(model, tok, args.baseline_source, args.rounds)
+        return
     with torch.no_grad():
         projections(model, [int(r) for r in args.rows.split(",")], args.reps)
     rollouts(model, tok, args.rounds)

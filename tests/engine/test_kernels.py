@@ -160,6 +160,33 @@ def test_kernel_step_matches_the_torch_step(module, tiny_tokenizer, prompts, con
     assert not torch.equal(got[-1], want[-1])  # the kernels' own arithmetic ran
 
 
+def test_kernel_step_matches_at_extreme_activations_and_long_contexts(module, tiny_tokenizer, prompts):
+    # The layer's exp (SiLU gating, attention softmax) is a vectorised polynomial with clamps:
+    # gates scaled into the hundreds reach both clamps (exp(-gate) under- and overflowing) and
+    # sharpen the softmax, and contexts of 40-60 columns run its vector loop over padded columns.
+    model = llama_variant(tiny_tokenizer, hidden_size=256, intermediate_size=512)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate_proj.weight.mul_(40.0)
+            layer.self_attn.q_proj.weight.mul_(4.0)
+    batch = [prompts[0] * 5, prompts[2] * 6, prompts[1] * 9]
+    want, kv_want, _ = _decode(model, batch, 5, cpu_kernels=False)
+    got, kv_got, used = _decode(
+        model, batch, 5, cpu_kernels=True, ids_per_step=[w.argmax(-1) for w in want]
+    )
+    assert used == 5
+    with torch.no_grad():
+        layer = model.model.layers[0]
+        h = layer.post_attention_layernorm(model.model.embed_tokens(torch.tensor(batch[0])))
+        assert float(layer.mlp.gate_proj(h).abs().max()) > 100  # what this test is about
+    for a, b in zip(got, want, strict=True):
+        assert bool(torch.isfinite(a).all())
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
+    for (ka, va), (kb, vb) in zip(kv_got, kv_want, strict=True):
+        torch.testing.assert_close(ka, kb, rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(va, vb, rtol=1e-4, atol=1e-3)
+
+
 def test_kernel_step_is_not_taken_where_it_does_not_apply(module, tiny_tokenizer, prompts):
     model = llama_variant(tiny_tokenizer)
     too_many = [prompts[i % len(prompts)] for i in range(kernels.MAX_ROWS + 1)]

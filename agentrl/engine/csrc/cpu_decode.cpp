@@ -52,6 +52,36 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// exp of every lane, as 2^n * e^r with x = n ln2 + r, |r| <= ln2 / 2, and e^r from Cephes'
+// degree-6 polynomial for expf: within a few ulp of std::exp. Lanes below -87.3 (where expf
+// turns subnormal) give 0, lanes above 88 give exp(88.03) ~ 1.6e38, NaN stays NaN. The scalar
+// std::exp loops this replaces took ~0.25 ms of a ~1 ms SmolLM2 decoder layer at 8 rows.
+inline vec vexp(vec x) {
+  typedef int ivec __attribute__((vector_size(kLanes * sizeof(int))));
+  const vec lo = vec{} - 87.3365448f, hi = vec{} + 88.0296919f;
+  const vec c = x < lo ? lo : (x > hi ? hi : x);
+  vec fn = c * 1.44269504088896341f + 0.5f;
+  const vec t = __builtin_convertvector(__builtin_convertvector(fn, ivec), vec);
+  fn = t > fn ? t - 1.f : t;  // floor(c / ln2 + 1/2)
+  vec r = c - fn * 0.693359375f;
+  r = r - fn * -2.12194440e-4f;
+  vec y = vec{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.f;
+  const ivec bits = (__builtin_convertvector(fn, ivec) + 127) << 23;
+  vec two_n;
+  __builtin_memcpy(&two_n, &bits, sizeof(vec));
+  y = y * two_n;
+  y = x < lo ? vec{} : y;
+  return x != x ? x : y;
+}
+
+inline void store(float* p, vec v) { __builtin_memcpy(p, &v, sizeof(vec)); }
+
 // y += a * x
 inline void axpy(float a, const float* x, float* y, int64_t n) {
   int64_t i = 0;
@@ -248,12 +278,21 @@ void decode_layer(torch::Tensor x, const torch::Tensor& norm_in, double eps_in,
       const bool* live = mk + b * T;
       float mx = -INFINITY;
       for (int64_t t = 0; t < T; ++t) {
-        if (!live[t]) continue;
+        if (!live[t]) {
+          p[t] = -INFINITY;  // exp gives 0
+          continue;
+        }
         p[t] = dot(qv, keys + t * s2, D) * static_cast<float>(scaling);
         mx = std::max(mx, p[t]);
       }
       float total = 0.f;
-      for (int64_t t = 0; t < T; ++t) {
+      int64_t t = 0;
+      for (; t + kLanes <= T; t += kLanes) {
+        const vec e = vexp(load(p.data() + t) - mx);
+        store(p.data() + t, e);
+        total += lanes_sum(e);
+      }
+      for (; t < T; ++t) {
         p[t] = live[t] ? std::exp(p[t] - mx) : 0.f;
         total += p[t];
       }
@@ -276,7 +315,12 @@ void decode_layer(torch::Tensor x, const torch::Tensor& norm_in, double eps_in,
   project(h, wu, bu, up, false, min_numel);
   float* gp = gate.data_ptr<float>();
   const float* upp = up.data_ptr<float>();
-  for (int64_t i = 0; i < B * I; ++i) gp[i] = gp[i] / (1.f + std::exp(-gp[i])) * upp[i];
+  int64_t i = 0;
+  for (; i + kLanes <= B * I; i += kLanes) {
+    const vec g = load(gp + i);
+    store(gp + i, g / (1.f + vexp(-g)) * load(upp + i));
+  }
+  for (; i < B * I; ++i) gp[i] = gp[i] / (1.f + std::exp(-gp[i])) * upp[i];
   project(gate, wd, bd, x, /*accumulate=*/true, min_numel);
 }
 
