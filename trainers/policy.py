@@ -8,6 +8,7 @@ version bump.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import random
 import sys
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from agentrl import algorithms as A
@@ -59,8 +61,10 @@ class PolicyWorker:
         # sharded: neither an FSDP2 nor a ZeRO-3 module can be deep-copied.
         self.ref_model = self._frozen_copy() if cfg.algo.kl_coef > 0 else None
         critic = ValueModel(copy.deepcopy(self.model)) if cfg.algo.estimator == "gae" else None
-        # After the copies: the critic's backbone keeps a dense embedding gradient.
-        self.sparse_embedding = cfg.backend == "local" and _sparse_tied_embedding(self.model)
+        # After the copies: the critic's backbone keeps autograd's embedding gradient.
+        self.embedding_rows_in_place = cfg.backend == "local" and _tied_embedding_rows_in_place(
+            self.model
+        )
         self.sharded = cfg.backend == "fsdp2"
         if self.sharded:
             from trainers import fsdp
@@ -406,8 +410,6 @@ class PolicyWorker:
             norm = self.ds.get_global_grad_norm()
             totals["grad_norm"] = float(norm) if norm is not None else 0.0
         else:
-            if self.sparse_embedding:
-                _densify_grads(self.model)
             if cfg.actor.max_grad_norm > 0:
                 # FSDP2's gradients are DTensors, whose norm is only known after a collective.
                 clip = torch.nn.utils.clip_grad_norm_ if self.sharded else _clip_grad_norm
@@ -612,29 +614,47 @@ def _fusable(model: torch.nn.Module) -> bool:
     )
 
 
-def _sparse_tied_embedding(model: torch.nn.Module) -> bool:
-    """Give the input embedding a sparse gradient if it shares its weight with the lm_head, and
-    say whether it does.
+def _tied_embedding_rows_in_place(model: torch.nn.Module) -> bool:
+    """Add the input embedding's gradient rows in place into the weight's `.grad` if the weight
+    is shared with the lm_head, and say whether it is.
 
-    A dense embedding backward writes a zero [vocab, hidden] gradient that autograd then adds
-    to the lm_head's: a fill and an add, 60-90 ms a backward for SmolLM2-135M on CPU. A sparse
-    one is added to it in one copy (30-40 ms). The sum, hence `.grad`, stays dense, as fused
-    AdamW and the norm need: the lm_head's dense gradient is part of every backward. For the
-    local backend only, FSDP2 and DeepSpeed owning the gradients' layout.
+    Through autograd, both uses of a tied weight feed one gradient accumulation: the lm_head's
+    dense [vocab, hidden] gradient and the embedding's (a zero-filled dense one, or a sparse one
+    with `sparse=True`) are summed out of place, ~36 ms and a fresh 113 MB tensor a backward for
+    SmolLM2-135M on CPU. Here the lookup reads a detached weight and a hook on its output adds
+    the few looked-up rows (`index_add_`) into `.grad`, which then holds the lm_head's gradient
+    as autograd produced it. The sum is the same, up to float32 round-off in the order of the
+    additions; the padding row gets no gradient, as with `nn.Embedding(padding_idx=...)`. For the
+    local backend only, FSDP2 and DeepSpeed owning the gradients.
     """
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if head is None or head.weight is not embedding.weight:
+    if type(embedding) is not torch.nn.Embedding or head is None:
         return False
-    embedding.sparse = True
+    if head.weight is not embedding.weight:
+        return False
+    if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
+        return False
+    weight, padding_idx = embedding.weight, embedding.padding_idx
+
+    def add_rows(ids: Tensor, grad: Tensor) -> None:
+        rows = grad.reshape(-1, grad.shape[-1])
+        flat = ids.reshape(-1)
+        if padding_idx is not None:
+            keep = flat != padding_idx
+            rows, flat = rows[keep], flat[keep]
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        weight.grad.index_add_(0, flat, rows.to(weight.grad.dtype))
+
+    def forward(input_ids: Tensor) -> Tensor:
+        out = F.embedding(input_ids, weight.detach(), padding_idx)
+        if torch.is_grad_enabled() and weight.requires_grad:
+            out.requires_grad_()
+            out.register_hook(functools.partial(add_rows, input_ids))
+        return out
+
+    embedding.forward = forward  # the module (type, parameters, hooks) is otherwise unchanged
     return True
-
-
-def _densify_grads(model: torch.nn.Module) -> None:
-    """Make sparse `.grad`s dense: a sparse tied embedding's gradient is dense already unless a
-    step's backward somehow missed the lm_head, and fused AdamW would then fail."""
-    for param in model.parameters():
-        if param.grad is not None and param.grad.is_sparse:
-            param.grad = param.grad.to_dense()
 
 
 def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:

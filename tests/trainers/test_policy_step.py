@@ -1,5 +1,6 @@
 """The policy update's shortcuts against the plain computations they replace: the fused
-log-prob/entropy pass, the sparse tied-embedding gradient and the gradient clipping."""
+log-prob/entropy pass, the tied embedding's gradient rows added in place and the gradient
+clipping."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from trainers.policy import _clip_grad_norm, _densify_grads, _sparse_tied_embedding
+from trainers.policy import _clip_grad_norm, _tied_embedding_rows_in_place
 
 LAYOUTS = {"packed": {"packing": True, "share_prefixes": False}, "padded": {"packing": False}}
 
@@ -18,8 +19,8 @@ LAYOUTS = {"packed": {"packing": True, "share_prefixes": False}, "padded": {"pac
 def test_forward_values_and_gradients_match_a_plain_forward(
     make_cfg, recorded_rollouts, layout, entropy_coef
 ):
-    """`_forward` (logits view, one log-softmax, custom backward, sparse embedding gradient)
-    against one plain forward per row with autograd's log-softmax, softmax entropy and a dense
+    """`_forward` (logits view, one log-softmax, custom backward, embedding rows added in place)
+    against one plain forward per row with autograd's log-softmax, softmax entropy and
     embedding gradient."""
     from agentrl.types import load_jsonl
     from trainers.batch import collate
@@ -29,9 +30,9 @@ def test_forward_values_and_gradients_match_a_plain_forward(
         algo={"entropy_coef": entropy_coef}, rollout={"temperature": 0.8}, **LAYOUTS[layout]
     )
     worker = PolicyWorker(cfg, with_engine=False)
-    assert worker.sparse_embedding and worker.model.get_input_embeddings().sparse
+    assert worker.embedding_rows_in_place
     plain = copy.deepcopy(worker.model)
-    plain.get_input_embeddings().sparse = False
+    del plain.get_input_embeddings().forward  # back to nn.Embedding.forward
     trajs = load_jsonl(recorded_rollouts)[:6]
     batch = collate(trajs, worker.pad_id)
     n = int(batch.lengths.max())
@@ -56,31 +57,68 @@ def test_forward_values_and_gradients_match_a_plain_forward(
             loss = loss + (w_ent[b, : len(sel)] * ref_ent).sum()
     loss.backward()
     for (name, p), ref in zip(worker.model.named_parameters(), plain.parameters(), strict=True):
-        assert p.grad is not None and not p.grad.is_sparse, name
+        assert p.grad is not None and p.grad.layout == torch.strided, name
         scale = float(ref.grad.abs().max()) + 1e-12
         torch.testing.assert_close(p.grad, ref.grad, atol=1e-5 * scale, rtol=1e-4, msg=name)
 
 
-def test_sparse_embedding_gradient_only_for_tied_weights(make_cfg):
+def test_embedding_rows_in_place_only_for_tied_weights(make_cfg):
     from agentrl.models import load_model
     from trainers.policy import PolicyWorker
 
     untied = load_model("tiny")
     untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
-    assert not _sparse_tied_embedding(untied) and not untied.get_input_embeddings().sparse
+    assert not _tied_embedding_rows_in_place(untied)
+    assert "forward" not in vars(untied.get_input_embeddings())
     worker = PolicyWorker(make_cfg(algo={"estimator": "gae"}), with_engine=False)
-    assert worker.sparse_embedding
-    # The critic is a copy of the backbone taken before: its embedding keeps a dense gradient.
-    assert worker.critic is not None and not worker.critic.backbone.embed_tokens.sparse
+    assert worker.embedding_rows_in_place
+    # The critic is a copy of the backbone taken before: its embedding is left alone.
+    assert worker.critic is not None
+    assert "forward" not in vars(worker.critic.backbone.embed_tokens)
 
 
-def test_densify_grads_makes_sparse_gradients_dense():
-    emb = torch.nn.Embedding(5, 3, sparse=True)
-    emb(torch.tensor([1, 1, 4])).sum().backward()
-    want = emb.weight.grad.to_dense()
-    _densify_grads(emb)
-    assert emb.weight.grad.layout == torch.strided
-    assert torch.equal(emb.weight.grad, want)
+class _Tied(torch.nn.Module):
+    def __init__(self, padding_idx):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 4, padding_idx=padding_idx)
+        self.head = torch.nn.Linear(4, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def get_input_embeddings(self):
+        return self.emb
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_embedding_rows_in_place_equal_autograd(padding_idx):
+    """A tied embedding + head: the rows added in place give autograd's gradient (padding row
+    excluded), accumulate over backwards, and a no-grad lookup adds nothing."""
+    torch.manual_seed(0)
+    ref = _Tied(padding_idx)
+    fast = copy.deepcopy(ref)
+    assert _tied_embedding_rows_in_place(fast)
+    head_only = copy.deepcopy(ref)
+    ids = [torch.tensor([[1, 3, 3, 7, 1, 10]]), torch.tensor([[3, 0, 2, 2]])]
+    for x in ids:  # two backwards: the second accumulates into the existing .grad
+        w = torch.randn(x.shape[1], 11)
+        (ref(x) * w).sum().backward()
+        (fast(x) * w).sum().backward()
+        (head_only.head(torch.tanh(head_only.emb(x).detach())) * w).sum().backward()
+    torch.testing.assert_close(fast.emb.weight.grad, ref.emb.weight.grad, rtol=1e-6, atol=1e-6)
+    # Against the head's gradient alone, exactly the looked-up rows (but padding) differ.
+    looked_up = {int(i) for x in ids for i in x.flatten()} - {padding_idx}
+    for row in range(11):
+        same = torch.allclose(fast.emb.weight.grad[row], head_only.emb.weight.grad[row])
+        assert same == (row not in looked_up), row
+    with torch.no_grad():
+        before = fast.emb.weight.grad.clone()
+        fast(ids[0])
+    assert torch.equal(fast.emb.weight.grad, before)
 
 
 @pytest.mark.parametrize(
