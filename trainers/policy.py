@@ -658,12 +658,22 @@ def _tied_embedding_rows_in_place(model: torch.nn.Module) -> bool:
 
 
 def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:
-    """`torch.nn.utils.clip_grad_norm_`, bit for bit, but without scaling when it would scale by
-    exactly 1.0, i.e. when `max_norm / (norm + 1e-6) >= 1` (its own formula): torch multiplies
-    every gradient anyway to spare accelerators a host sync, which we pay for the logged norm
-    regardless; for SmolLM2-135M on CPU that multiplication is ~30 ms a step. A NaN or inf norm
-    still scales (by NaN or 0), as before."""
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    """`torch.nn.utils.clip_grad_norm_` (same formula, NaN and inf handled alike) with two
+    shortcuts for float32 CPU gradients (SmolLM2-135M's, cold caches: 60 -> 29 ms for the norm):
+
+    - the norm comes from one dot product per tensor (a sum of squares: equal to torch's
+      per-tensor `vector_norm`s up to float32 round-off), which reads the gradients ~2.4x
+      faster than `vector_norm` on this CPU;
+    - there is no scaling when it would scale by exactly 1.0, i.e. when `max_norm / (norm +
+      1e-6) >= 1` (torch's formula): torch multiplies every gradient anyway to spare
+      accelerators a host sync, which we pay for the logged norm regardless (~30 ms a step).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads and all(g.dtype is torch.float32 and g.device.type == "cpu" for g in grads):
+        squares = [torch.dot(g.reshape(-1), g.reshape(-1)) for g in grads]
+        norm = torch.stack(squares).sum().sqrt()
+    else:
+        norm = torch.nn.utils.get_total_norm(grads)
     if not bool(max_norm / (norm + 1e-6) >= 1.0):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
