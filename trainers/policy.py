@@ -662,7 +662,7 @@ def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> Tensor
     shortcuts for float32 CPU gradients (SmolLM2-135M's, cold caches: 60 -> 29 ms for the norm):
 
     - the norm comes from one dot product per tensor (a sum of squares: equal to torch's
-      per-tensor `vector_norm`s up to float32 round-off), which reads the gradients ~2.4x
+      per-tensor `vector_norm`s up to float32 round-off), which reads the gradients ~2x
       faster than `vector_norm` on this CPU;
     - there is no scaling when it would scale by exactly 1.0, i.e. when `max_norm / (norm +
       1e-6) >= 1` (torch's formula): torch multiplies every gradient anyway to spare
