@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from agentrl import algorithms as A
-from trainers import host_memory
+from trainers import fused, host_memory
 from trainers.batch import RolloutBatch, collate, group_sorted, length_sorted, pack
 from trainers.config import TrainConfig
 
@@ -65,6 +65,11 @@ class PolicyWorker:
         self.embedding_rows_in_place = cfg.backend == "local" and _tied_embedding_rows_in_place(
             self.model
         )
+        if cfg.backend == "local" and next(self.model.parameters()).device.type == "cpu":
+            # One pass for each RMSNorm and SiLU gating, forward and backward (trainers/fused.py).
+            for model in (self.model, self.ref_model, critic):
+                if model is not None:
+                    fused.use_fused_kernels(model)
         self.sharded = cfg.backend == "fsdp2"
         if self.sharded:
             from trainers import fsdp

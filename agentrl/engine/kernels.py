@@ -1,4 +1,5 @@
-"""agentrl's CPU kernels for decode steps of a few rows (float32), and when they are used.
+"""agentrl's CPU kernels (float32): decode steps of a few rows, and when they are used; the
+trainer's fused norm and gating.
 
 A decode step feeds one token per row. At a handful of rows it is bound by reading the weights
 from memory, and the BLAS GEMM behind `F.linear` packs panels of the weight matrix on every
@@ -11,9 +12,12 @@ is ~45 small tensor operations whose Python and dispatch costs exceed their arit
 - `decode_layer`: a whole decoder layer in one call (norms, projections through `row_gemm`,
   rotary embedding, the KV-cache write, attention, gating, residuals).
 
+`csrc/cpu_train.cpp`, in the same module, has the trainer's fused RMSNorm and SiLU gating
+(forward and backward); trainers/fused.py uses them.
+
 Numbers: benchmarks/results/cpu_decode.md (`benchmarks/cpu_decode.py`).
 
-The module is compiled on first use with `torch.utils.cpp_extension` (g++ and ninja, ~30 s,
+The module is compiled on first use with `torch.utils.cpp_extension` (g++ and ninja, ~40 s,
 cached under `TORCH_EXTENSIONS_DIR`; the cache key includes the CPU's flags since it is built
 with `-march=native`). Without a compiler, everything here falls back to the torch path;
 `AGENTRL_CPU_KERNELS=0` in the environment turns the kernels off everywhere (the engine's
@@ -45,7 +49,8 @@ MIN_WEIGHT_NUMEL = 1 << 16
 call's fixed cost dominates and BLAS is faster (8 rows, development VM: 64 x 64 5.8 vs 7.0 us,
 256 x 256 14.8 vs 20.5 us; 192 x 576 30.5 vs 22.8 us)."""
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_decode.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ("cpu_decode.cpp", "cpu_train.cpp")  # with vec.h, shared by both
 _lock = threading.Lock()
 _module = None
 _tried = False
@@ -67,12 +72,14 @@ def _build():
     try:
         from torch.utils.cpp_extension import load
 
-        source = _SOURCE.read_bytes()
-        key = hashlib.sha256(source + _cpu_flags().encode() + torch.__version__.encode())
-        logger.info("compiling agentrl's CPU decode kernels (once per machine, ~30 s)")
+        key = hashlib.sha256(_cpu_flags().encode() + torch.__version__.encode())
+        for path in sorted(_CSRC.iterdir()):
+            if path.suffix in (".cpp", ".h"):
+                key.update(path.name.encode() + path.read_bytes())
+        logger.info("compiling agentrl's CPU kernels (once per machine, ~30-60 s)")
         return load(
-            name=f"agentrl_cpu_decode_{key.hexdigest()[:12]}",
-            sources=[str(_SOURCE)],
+            name=f"agentrl_cpu_kernels_{key.hexdigest()[:12]}",
+            sources=[str(_CSRC / name) for name in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
         )

@@ -14,84 +14,22 @@
 // gating and both residual adds. Through Python the same layer is ~45 tensor operations of a
 // few microseconds of dispatch each, more than their arithmetic at these sizes.
 //
-// Written with GCC vector extensions so that the compiler (run with -march=native on the
-// machine that uses it) emits AVX-512, AVX2 or NEON as the CPU has.
+// Written with the vector helpers of vec.h.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
+
+#include "vec.h"
 
 #include <cmath>
 #include <vector>
 
 namespace {
 
-constexpr int kLanes = 16;
-typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+using namespace agentrl;
 
 // Weight rows prefetched ahead of the ones being multiplied, in units of the NR-row tile.
 constexpr int kPrefetchTiles = 4;
-
-inline vec load(const float* p) {
-  vec v;
-  __builtin_memcpy(&v, p, sizeof(vec));
-  return v;
-}
-
-inline float lanes_sum(vec v) {
-  float s = 0.f;
-  for (int l = 0; l < kLanes; ++l) s += v[l];
-  return s;
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  vec acc = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
-  float s = lanes_sum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-// exp of every lane, as 2^n * e^r with x = n ln2 + r, |r| <= ln2 / 2, and e^r from Cephes'
-// degree-6 polynomial for expf: within a few ulp of std::exp. Lanes below -87.3 (where expf
-// turns subnormal) give 0, lanes above 88 give exp(88.03) ~ 1.6e38, NaN stays NaN. The scalar
-// std::exp loops this replaces took ~0.25 ms of a ~1 ms SmolLM2 decoder layer at 8 rows.
-inline vec vexp(vec x) {
-  typedef int ivec __attribute__((vector_size(kLanes * sizeof(int))));
-  const vec lo = vec{} - 87.3365448f, hi = vec{} + 88.0296919f;
-  const vec c = x < lo ? lo : (x > hi ? hi : x);
-  vec fn = c * 1.44269504088896341f + 0.5f;
-  const vec t = __builtin_convertvector(__builtin_convertvector(fn, ivec), vec);
-  fn = t > fn ? t - 1.f : t;  // floor(c / ln2 + 1/2)
-  vec r = c - fn * 0.693359375f;
-  r = r - fn * -2.12194440e-4f;
-  vec y = vec{} + 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * (r * r) + r + 1.f;
-  const ivec bits = (__builtin_convertvector(fn, ivec) + 127) << 23;
-  vec two_n;
-  __builtin_memcpy(&two_n, &bits, sizeof(vec));
-  y = y * two_n;
-  y = x < lo ? vec{} : y;
-  return x != x ? x : y;
-}
-
-inline void store(float* p, vec v) { __builtin_memcpy(p, &v, sizeof(vec)); }
-
-// y += a * x
-inline void axpy(float a, const float* x, float* y, int64_t n) {
-  int64_t i = 0;
-  const vec av = vec{} + a;  // a in every lane
-  for (; i + kLanes <= n; i += kLanes) {
-    vec yv = load(y + i) + av * load(x + i);
-    __builtin_memcpy(y + i, &yv, sizeof(vec));
-  }
-  for (; i < n; ++i) y[i] += a * x[i];
-}
 
 // ------------------------------------------------------------------------------- row GEMM
 
@@ -324,7 +262,20 @@ void decode_layer(torch::Tensor x, const torch::Tensor& norm_in, double eps_in,
   project(gate, wd, bd, x, /*accumulate=*/true, min_numel);
 }
 
+// cpu_train.cpp
+std::vector<torch::Tensor> rms_norm_forward(const torch::Tensor& x, const torch::Tensor& w,
+                                            double eps);
+std::vector<torch::Tensor> rms_norm_backward(const torch::Tensor& dy, const torch::Tensor& x,
+                                             const torch::Tensor& w, const torch::Tensor& r);
+torch::Tensor swiglu_forward(const torch::Tensor& g, const torch::Tensor& u);
+std::vector<torch::Tensor> swiglu_backward(const torch::Tensor& dy, const torch::Tensor& g,
+                                           const torch::Tensor& u);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_gemm", &row_gemm, "x [M, K] @ w [N, K].T for few rows M (float32, CPU)");
   m.def("decode_layer", &decode_layer, "one Llama decoder layer for one token per row");
+  m.def("rms_norm_forward", &rms_norm_forward, "LlamaRMSNorm: (y, 1 / rms per row)");
+  m.def("rms_norm_backward", &rms_norm_backward, "LlamaRMSNorm's backward: (dx, dweight)");
+  m.def("swiglu_forward", &swiglu_forward, "silu(gate) * up");
+  m.def("swiglu_backward", &swiglu_backward, "silu(gate) * up's backward: (dgate, dup)");
 }
