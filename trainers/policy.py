@@ -639,27 +639,30 @@ def _tied_embedding_rows_in_place(model: torch.nn.Module) -> bool:
         return False
     if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
         return False
-    weight, padding_idx = embedding.weight, embedding.padding_idx
-
-    def add_rows(ids: Tensor, grad: Tensor) -> None:
-        rows = grad.reshape(-1, grad.shape[-1])
-        flat = ids.reshape(-1)
-        if padding_idx is not None:
-            keep = flat != padding_idx
-            rows, flat = rows[keep], flat[keep]
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        weight.grad.index_add_(0, flat, rows.to(weight.grad.dtype))
-
-    def forward(input_ids: Tensor) -> Tensor:
-        out = F.embedding(input_ids, weight.detach(), padding_idx)
-        if torch.is_grad_enabled() and weight.requires_grad:
-            out.requires_grad_()
-            out.register_hook(functools.partial(add_rows, input_ids))
-        return out
-
-    embedding.forward = forward  # the module (type, parameters, hooks) is otherwise unchanged
+    # A partial of the module (not a closure over its weight): copies of the model get their own.
+    embedding.forward = functools.partial(_embedding_rows_in_place_forward, embedding)
     return True
+
+
+def _embedding_rows_in_place_forward(embedding: torch.nn.Embedding, input_ids: Tensor) -> Tensor:
+    weight = embedding.weight
+    out = F.embedding(input_ids, weight.detach(), embedding.padding_idx)
+    if torch.is_grad_enabled() and weight.requires_grad:
+        out.requires_grad_()
+        out.register_hook(functools.partial(_add_embedding_rows, embedding, input_ids))
+    return out
+
+
+def _add_embedding_rows(embedding: torch.nn.Embedding, ids: Tensor, grad: Tensor) -> None:
+    weight = embedding.weight
+    rows = grad.reshape(-1, grad.shape[-1])
+    flat = ids.reshape(-1)
+    if embedding.padding_idx is not None:
+        keep = flat != embedding.padding_idx
+        rows, flat = rows[keep], flat[keep]
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    weight.grad.index_add_(0, flat, rows.to(weight.grad.dtype))
 
 
 def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:

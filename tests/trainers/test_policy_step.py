@@ -120,6 +120,11 @@ def test_embedding_rows_in_place_equal_autograd(padding_idx):
         before = fast.emb.weight.grad.clone()
         fast(ids[0])
     assert torch.equal(fast.emb.weight.grad, before)
+    # A copy adds its rows into its own weight's gradient, not the original's.
+    twin = copy.deepcopy(fast)
+    twin.zero_grad(set_to_none=True)
+    twin(ids[0]).sum().backward()
+    assert torch.equal(fast.emb.weight.grad, before) and twin.emb.weight.grad is not None
 
 
 @pytest.mark.parametrize(
