@@ -5,9 +5,9 @@
 2. The GRPO benchmark's rollout (2 chat prompts x 4 samples, 32 new tokens, temperature 1) on
    two engines over the same model, `cpu_kernels=False` (baseline: the lean torch step) and
    `cpu_kernels=True`, alternating.
-3. With --baseline-source OLD.cpp (e.g. `git show REV:agentrl/engine/csrc/cpu_decode.cpp >
-   /tmp/old.cpp`): the same rollout with the kernels built from OLD.cpp against the current
-   ones, every sample 32 tokens long (EOS ignored), alternating: a kernel change's effect.
+3. With --baseline-rev REV (a git revision of this repository): the same rollout with the
+   kernels built from REV's agentrl/engine/csrc against the current ones, every sample 32
+   tokens long (EOS ignored), alternating: a kernel change's effect.
 
     .venv/bin/python benchmarks/cpu_decode.py
 """
@@ -92,19 +92,26 @@ def rollouts(model, tok, rounds: int) -> None:
         e.close()
 
 
-def against_baseline(model, tok, source: str, rounds: int) -> None:
-    from torch.utils.cpp_extension import load
+def against_baseline(model, tok, rev: str, rounds: int) -> None:
+    import io
+    import pathlib
+    import subprocess
+    import tarfile
+    import tempfile
 
     from agentrl.engine import kernels
     from agentrl.engine.hf import TransformersEngine
     from agentrl.types import SamplingParams
 
-    flags = ["-O3", "-march=native", "-fopenmp"]
-    mods = {
-        "baseline": load(name="agentrl_cpu_decode_baseline", sources=[source], extra_cflags=flags,
-                         extra_ldflags=["-fopenmp"]),
-        "current": kernels.module(),
-    }
+    csrc = "agentrl/engine/csrc"
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    archive = subprocess.run(
+        ["git", "archive", rev, csrc], cwd=repo, check=True, capture_output=True
+    ).stdout
+    with tempfile.TemporaryDirectory() as tmp, tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(tmp, filter="data")
+        baseline = kernels.compile_sources(pathlib.Path(tmp, csrc), "agentrl_cpu_kernels_baseline")
+    mods = {"baseline": baseline, "current": kernels.module()}
     prompts = [
         list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                      tokenize=True, return_dict=False))
@@ -126,7 +133,7 @@ def against_baseline(model, tok, source: str, rounds: int) -> None:
         kernels._module = mods["current"]
         engine.close()
     b, f = statistics.median(times["baseline"]), statistics.median(times["current"])
-    print(f"rollout, 8 rows x 32 tokens, median of {rounds}: kernels from {source} {b:.2f} s, "
+    print(f"rollout, 8 rows x 32 tokens, median of {rounds}: kernels at {rev} {b:.2f} s, "
           f"current kernels {f:.2f} s: {b / f:.2f}x")
 
 
@@ -140,7 +147,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,8,12,16")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--baseline-source", help="compare against kernels built from this .cpp only")
+    ap.add_argument("--baseline-rev", help="only compare against the kernels of this git revision")
     args = ap.parse_args()
     from agentrl.engine import kernels
     from agentrl.models import load_model, load_tokenizer
@@ -151,8 +158,8 @@ def main() -> None:
     model = load_model(args.model).eval()
     tok = load_tokenizer(args.model)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.model}")
-    if args.baseline_source:
-        against_baseline(model, tok, args.baseline_source, args.rounds)
+    if args.baseline_rev:
+        against_baseline(model, tok, args.baseline_rev, args.rounds)
         return
     with torch.no_grad():
         projections(model, [int(r) for r in args.rows.split(",")], args.reps)

@@ -34,6 +34,7 @@ import platform
 import subprocess
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +51,6 @@ call's fixed cost dominates and BLAS is faster (8 rows, development VM: 64 x 64 
 256 x 256 14.8 vs 20.5 us; 192 x 576 30.5 vs 22.8 us)."""
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("cpu_decode.cpp", "cpu_train.cpp")  # with vec.h, shared by both
 _lock = threading.Lock()
 _module = None
 _tried = False
@@ -70,28 +70,34 @@ def module():
 
 def _build():
     try:
-        from torch.utils.cpp_extension import load
-
-        key = hashlib.sha256(_cpu_flags().encode() + torch.__version__.encode())
-        for path in sorted(_CSRC.iterdir()):
-            if path.suffix in (".cpp", ".h"):
-                key.update(path.name.encode() + path.read_bytes())
-        logger.info("compiling agentrl's CPU kernels (once per machine, ~30-60 s)")
-        return load(
-            name=f"agentrl_cpu_kernels_{key.hexdigest()[:12]}",
-            sources=[str(_CSRC / name) for name in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-        )
+        return compile_sources(_CSRC)
     # No compiler or ninja (RuntimeError, CalledProcessError), a module that will not load.
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as e:
         logger.warning(
-            "agentrl's CPU decode kernels could not be built (%s: %s); decoding uses torch. "
+            "agentrl's CPU kernels could not be built (%s: %s); decoding and training use torch. "
             "Install g++ and ninja (`apt-get install g++ ninja-build`) to get them.",
             type(e).__name__,
             (str(e).strip().splitlines() or [""])[-1],
         )
         return None
+
+
+def compile_sources(csrc: Path, prefix: str = "agentrl_cpu_kernels") -> Any:
+    """Compile the `.cpp` files of `csrc` (with its headers) into one module, cached under a name
+    keyed by their contents, the CPU's flags and the torch version. Raises where it cannot."""
+    from torch.utils.cpp_extension import load
+
+    files = sorted(p for p in csrc.iterdir() if p.suffix in (".cpp", ".h"))
+    key = hashlib.sha256(_cpu_flags().encode() + torch.__version__.encode())
+    for path in files:
+        key.update(path.name.encode() + path.read_bytes())
+    logger.info("compiling agentrl's CPU kernels (once per machine, ~40 s)")
+    return load(
+        name=f"{prefix}_{key.hexdigest()[:12]}",
+        sources=[str(p) for p in files if p.suffix == ".cpp"],
+        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+    )
 
 
 def _cpu_flags() -> str:
