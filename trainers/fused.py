@@ -79,15 +79,13 @@ def use_fused_kernels(model: nn.Module) -> int:
     `AGENTRL_CPU_KERNELS=0`, or the model has no such modules)."""
     if kernels.module() is None:
         return 0
-    from transformers.activations import SiLUActivation
-
     routed = 0
     for module in model.modules():
         name = type(module).__name__
         if name.endswith("RMSNorm") and _is_llama_rms_norm(module):
             module.forward = functools.partial(_rms_norm_forward, module)
             routed += 1
-        elif name.endswith("MLP") and _is_gated_silu_mlp(module, SiLUActivation):
+        elif name.endswith("MLP") and _is_gated_silu_mlp(module):
             module.forward = functools.partial(_mlp_forward, module)
             routed += 1
     return routed
@@ -106,15 +104,17 @@ def _is_llama_rms_norm(module: nn.Module) -> bool:
     )
 
 
-def _is_gated_silu_mlp(module: nn.Module, silu: type) -> bool:
+def _is_gated_silu_mlp(module: nn.Module) -> bool:
     """`down_proj(act_fn(gate_proj(x)) * up_proj(x))` with SiLU (the Llama MLP's forward)."""
     from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from agentrl.engine.llama import SILU_CLASSES
 
     forward = type(module).forward
     return (
         (forward is LlamaMLP.forward or _same_code(forward, LlamaMLP.forward))
         and all(isinstance(getattr(module, n, None), nn.Linear) for n in _MLP)
-        and (type(module.act_fn) in (silu, nn.SiLU))
+        and type(module.act_fn) in SILU_CLASSES
     )
 
 

@@ -52,7 +52,8 @@ class PolicyWorker:
         self.rank = rank
         self.tokenizer = load_tokenizer(cfg.actor.model)
         self.model = load_model(cfg.actor.model, dtype=cfg.actor.dtype)
-        if next(self.model.parameters()).device.type == "cpu":
+        on_cpu = next(self.model.parameters()).device.type == "cpu"
+        if on_cpu:
             host_memory.keep_freed_memory()  # no page faults for each step's fresh tensors
         self.model.train()
         if cfg.actor.gradient_checkpointing:
@@ -65,7 +66,7 @@ class PolicyWorker:
         self.embedding_rows_in_place = cfg.backend == "local" and _tied_embedding_rows_in_place(
             self.model
         )
-        if cfg.backend == "local" and next(self.model.parameters()).device.type == "cpu":
+        if cfg.backend == "local" and on_cpu:
             # One pass for each RMSNorm and SiLU gating, forward and backward (trainers/fused.py).
             for model in (self.model, self.ref_model, critic):
                 if model is not None:

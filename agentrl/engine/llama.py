@@ -41,7 +41,8 @@ from agentrl.engine.kv import BufferLayer
 if TYPE_CHECKING:
     from transformers.cache_utils import Cache
 
-_SILU = (SiLUActivation, nn.SiLU)
+SILU_CLASSES = (SiLUActivation, nn.SiLU)
+"""Activation modules computing exactly `F.silu` (also used by trainers/fused.py)."""
 
 
 class _Layer(NamedTuple):
@@ -278,7 +279,7 @@ def _layer_plan(layer: nn.Module) -> _Layer:
         o["weight"], o["bias"],
         post, mods["post_attention_layernorm"].variance_epsilon,
         gate["weight"], gate["bias"], up["weight"], up["bias"], down["weight"], down["bias"],
-        F.silu if type(act) in _SILU else act,
+        F.silu if type(act) in SILU_CLASSES else act,
     )  # fmt: skip
 
 
