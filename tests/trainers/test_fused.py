@@ -54,7 +54,15 @@ def test_rms_norm_matches_autograd(rows, width):
     got = fused._RMSNorm.apply(x, norm.weight, 1e-6)
     got.backward(dy)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
+    # The input gradient cancels terms in some elements, where two float32 computations can
+    # differ by more than their own round-off suggests: both are measured against float64.
+    x64 = x.detach().double().requires_grad_()
+    w64 = norm.weight.detach().double()
+    (w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)).backward(dy.double())
+    err, err_ref = (x.grad.double() - x64.grad).abs(), (x_ref.grad.double() - x64.grad).abs()
+    assert err.max() <= 2 * err_ref.max() + 1e-7, (err.max(), err_ref.max())
+    assert err.mean() <= 1.5 * err_ref.mean() + 1e-9, (err.mean(), err_ref.mean())
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-3, atol=1e-4)
     torch.testing.assert_close(norm.weight.grad, ref.weight.grad, rtol=1e-4, atol=1e-4)
 
 

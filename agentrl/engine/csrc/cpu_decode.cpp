@@ -4,7 +4,7 @@
 // row_gemm: out[m, n] = sum_k x[m, k] * w[n, k]. At 1-16 rows a decode step's projections are
 // bound by reading the weights from memory, not by arithmetic. A general GEMM packs panels of
 // the weight matrix for every call, and at these shapes the packing and its cache misses cost
-// more than the arithmetic. Here each pair of weight rows is read once, straight from the
+// more than the arithmetic. Here each group of four weight rows is read once, straight from the
 // model's own tensor, while the rows a few tiles ahead are prefetched, and multiplied into
 // every input row (the inputs, at most 16 x K floats, stay in the L1/L2 cache). Each output is
 // the sum of one row of x and one row of w in a fixed order, independent of the other rows.
@@ -28,8 +28,8 @@ namespace {
 
 using namespace agentrl;
 
-// Weight rows prefetched ahead of the ones being multiplied, in units of the NR-row tile.
-constexpr int kPrefetchTiles = 4;
+// Weight rows prefetched ahead of the ones being multiplied.
+constexpr int kPrefetchRows = 8;
 
 // ------------------------------------------------------------------------------- row GEMM
 
@@ -43,7 +43,7 @@ inline void tile(const float* x, const float* w, float* out, int64_t K, int64_t 
     vec wv[NR];
     for (int j = 0; j < NR; ++j) {
       wv[j] = load(w + (n + j) * K + k);
-      __builtin_prefetch(w + (n + kPrefetchTiles * NR + j) * K + k);
+      __builtin_prefetch(w + (n + kPrefetchRows + j) * K + k);
     }
     for (int i = 0; i < MR; ++i) {
       const vec xv = load(x + i * K + k);
@@ -75,6 +75,7 @@ void gemm_rows(const float* x, const float* w, float* out, int64_t M, int64_t K,
                bool accumulate) {
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) columns<4>(x, w, out, M, K, N, n, accumulate);
     for (; n + 2 <= n1; n += 2) columns<2>(x, w, out, M, K, N, n, accumulate);
     for (; n < n1; ++n) columns<1>(x, w, out, M, K, N, n, accumulate);
   });
