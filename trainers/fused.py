@@ -55,6 +55,60 @@ class _SwiGLU(torch.autograd.Function):
         return dg, du
 
 
+class _LogProbEntropy(torch.autograd.Function):
+    """`algorithms.logprobs_and_entropy_from_logits` for one packed sequence [T, V]: saves the
+    logits (alive anyway as the lm_head's output) and the per-token log-sum-exp, not p."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits: Tensor, labels: Tensor, temperature: float, into_logits: bool
+    ) -> tuple[Tensor, Tensor]:
+        logits, labels = logits.contiguous(), labels.long().contiguous()
+        logp, ent, lse = kernels.module().logprob_entropy_forward(logits, labels, temperature)
+        ctx.set_materialize_grads(False)  # an unused entropy (a logged metric) costs nothing
+        ctx.save_for_backward(logits, labels, lse, ent)
+        ctx.temperature, ctx.into_logits = temperature, into_logits
+        return logp, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(
+        ctx: Any, grad_logp: Tensor | None, grad_ent: Tensor | None
+    ) -> tuple[Tensor | None, None, None, None]:
+        if grad_logp is None and grad_ent is None:
+            return None, None, None, None
+        logits, labels, lse, ent = ctx.saved_tensors
+        dz = kernels.module().logprob_entropy_backward(
+            logits, labels, lse, ent, grad_logp, grad_ent, ctx.temperature, ctx.into_logits
+        )
+        if ctx.into_logits:  # any other saved use of the logits now fails loudly in autograd
+            torch.autograd.graph.increment_version(logits)
+        return dz, None, None, None
+
+
+def logprobs_and_entropy(
+    logits_TV: Tensor, labels_T: Tensor, temperature: float, *, into_logits: bool = False
+) -> tuple[Tensor, Tensor] | None:
+    """Log-probs of `labels_T` and entropies of softmax(logits / temperature), `[T, V], [T] ->
+    ([T], [T])`, in one pass per token each way; None where the kernels do not apply (not
+    float32 on CPU, or not built), for the caller to use `algorithms`' function. Values and
+    gradients equal that function's up to float32 round-off.
+
+    Through torch (`logprobs_and_entropy_from_logits`) the forward writes the log-softmax and p
+    and reads them back for the gather and the entropy: ~52 ms for SmolLM2's 256 x 49k logits
+    on the 2-core CPU, here ~7 ms. With `into_logits` the backward writes the logits' gradient
+    over the logits themselves (a fresh 50 MB tensor costs ~15 ms of page faults there): for a
+    caller that holds the logits for nothing else, since their values are gone after it."""
+    if (
+        kernels.module() is None
+        or logits_TV.dim() != 2
+        or not _applies(logits_TV)
+        or temperature <= 0
+    ):
+        return None
+    return _LogProbEntropy.apply(logits_TV, labels_T, float(temperature), into_logits)
+
+
 def _applies(*tensors: Tensor) -> bool:
     return all(t.dtype is torch.float32 and t.device.type == "cpu" for t in tensors)
 

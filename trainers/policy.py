@@ -204,14 +204,22 @@ class PolicyWorker:
                 logits = logits.reshape(-1, logits.shape[-1])[flat]
         # Log-probs, entropies and losses in float32: the helpers upcast bf16 logits themselves.
         logp = batch.mask.new_zeros(len(idx), n - 1)
-        if not entropy:
+        # One pass per token each way where the fused kernel applies (float32 CPU); it may write
+        # the logits' gradient over the logits, which nothing here reads again.
+        got = fused.logprobs_and_entropy(logits, targets, temp, into_logits=True)
+        if got is None and not entropy:
             logp[rows, cols] = A.logprobs_from_logits(logits[None], targets[None], temp)[0]
             return logp, None
-        # One log-softmax for both; the entropy is only a logged metric without an entropy bonus.
-        logp_m, ent_m = A.logprobs_and_entropy_from_logits(logits[None], targets[None], temp)
-        logp[rows, cols] = logp_m[0]
+        if got is None:  # one log-softmax for both
+            logp_m, ent_m = A.logprobs_and_entropy_from_logits(logits[None], targets[None], temp)
+            got = logp_m[0], ent_m[0]
+        del logits
+        logp[rows, cols] = got[0]
+        if not entropy:
+            return logp, None
+        # The entropy is only a logged metric without an entropy bonus.
         ent = batch.mask.new_zeros(len(idx), n - 1)
-        ent[rows, cols] = ent_m[0] if self.cfg.algo.entropy_coef > 0 else ent_m[0].detach()
+        ent[rows, cols] = got[1] if self.cfg.algo.entropy_coef > 0 else got[1].detach()
         return logp, ent
 
     def _autocast(self) -> Any:

@@ -146,3 +146,79 @@ def test_the_policy_worker_trains_through_them(make_cfg):
     worker = PolicyWorker(make_cfg(algo={"estimator": "gae", "kl_coef": 0.01}), with_engine=False)
     for model in (worker.model, worker.ref_model, worker.critic):
         assert "forward" in vars(model.get_decoder().norm)
+
+
+def _logits(rows, vocab, seed, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(rows, vocab, generator=g) * scale
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    return z, labels, torch.randn(rows, generator=g), torch.randn(rows, generator=g)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 5), (37, 1003), (64, 4096)])
+@pytest.mark.parametrize("grads", ["both", "logp", "entropy"])
+def test_logprobs_and_entropy_match_the_algorithms_function(temperature, rows, vocab, grads):
+    # Vocabularies off the 16-lane vectors reach the scalar tails of each row.
+    from agentrl.algorithms import logprobs_and_entropy_from_logits
+
+    z, labels, g, h = _logits(rows, vocab, rows + vocab)
+    for into in (False, True):
+        ref = z.clone().requires_grad_()
+        want_lp, want_ent = logprobs_and_entropy_from_logits(ref[None], labels[None], temperature)
+        mine = z.clone().requires_grad_()
+        logits = mine * 1  # the kernel may take this tensor's memory, not the leaf's
+        lp, ent = fused.logprobs_and_entropy(logits, labels, temperature, into_logits=into)
+        torch.testing.assert_close(lp, want_lp[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent, want_ent[0], rtol=1e-5, atol=1e-5)
+        wg, wh = {"both": (g, h), "logp": (g, 0 * h), "entropy": (0 * g, h)}[grads]
+        if grads == "logp":  # the entropy a logged metric only: no gradient reaches it
+            ent, want_ent = ent.detach(), want_ent.detach()
+        if grads == "entropy":
+            lp, want_lp = lp.detach(), want_lp.detach()
+        ((lp * wg).sum() + (ent * wh).sum()).backward()
+        ((want_lp[0] * wg).sum() + (want_ent[0] * wh).sum()).backward()
+        torch.testing.assert_close(mine.grad, ref.grad, rtol=1e-4, atol=1e-6)
+        assert into == (logits._version > 0)  # the gradient went over the logits
+
+
+def test_logprobs_and_entropy_at_extreme_and_nan_logits():
+    # A spread of 2000 underflows most of p (0 there, as xlogy), a -inf logit (a masked token)
+    # has p = 0 and no gradient, and a NaN logit poisons its own row only: the NaN-loss guard
+    # downstream needs to see it.
+    from agentrl.algorithms import logprobs_and_entropy_from_logits
+
+    z = torch.linspace(-1000, 1000, 3 * 50).reshape(3, 50)
+    z[2, 7] = float("nan")
+    z[1, 20:40] = float("-inf")  # 20 columns: one whole 16-lane vector, and scalar tails
+    # torch's forward gives the entropy -(logp * p).sum() = NaN there (-inf * 0); the entropy
+    # without those columns is what it means.
+    finite = torch.cat([z[1, :20], z[1, 40:]])
+    want_ent_1 = -(torch.log_softmax(finite, -1) * torch.softmax(finite, -1)).sum()
+    labels = torch.tensor([49, 0, 3])
+    ref, mine = z.clone().requires_grad_(), z.clone().requires_grad_()
+    want_lp, want_ent = logprobs_and_entropy_from_logits(ref[None], labels[None])
+    lp, ent = fused.logprobs_and_entropy(mine, labels, 1.0)
+    torch.testing.assert_close(lp, want_lp[0], equal_nan=True)
+    torch.testing.assert_close(ent[0], want_ent[0][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent[1], want_ent_1, atol=1e-5, rtol=0)
+    assert torch.isnan(lp[2]) and torch.isnan(ent[2]) and not torch.isnan(lp[:2]).any()
+    (lp[:2].sum() + ent[:2].sum()).backward()
+    (want_lp[0][:2].sum() + want_ent[0][:1].sum()).backward()  # row 1's entropy: NaN in torch
+    assert torch.equal(mine.grad[1, 20:40], torch.zeros(20))
+    torch.testing.assert_close(mine.grad[0], ref.grad[0])
+    torch.testing.assert_close(mine.grad[2], ref.grad[2], equal_nan=True)  # NaN stays NaN
+
+
+def test_logprobs_and_entropy_bad_input_and_fallback():
+    z, labels, _, _ = _logits(4, 100, 0)
+    with pytest.raises(RuntimeError, match=r"labels must be in \[0, 100\)"):
+        fused.logprobs_and_entropy(z, labels + 100, 1.0)
+    assert fused.logprobs_and_entropy(z.bfloat16(), labels, 1.0) is None  # torch's function then
+    assert fused.logprobs_and_entropy(z, labels, 0.0) is None  # which raises its own error
+    # A logits tensor that autograd saved elsewhere: writing its gradient over it fails loudly.
+    x = z.clone().requires_grad_()
+    logits = x.exp()  # exp's backward reads its output
+    lp, _ = fused.logprobs_and_entropy(logits, labels, 1.0, into_logits=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        lp.sum().backward()

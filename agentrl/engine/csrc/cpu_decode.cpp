@@ -271,6 +271,13 @@ std::vector<torch::Tensor> rms_norm_backward(const torch::Tensor& dy, const torc
 torch::Tensor swiglu_forward(const torch::Tensor& g, const torch::Tensor& u);
 std::vector<torch::Tensor> swiglu_backward(const torch::Tensor& dy, const torch::Tensor& g,
                                            const torch::Tensor& u);
+std::vector<torch::Tensor> logprob_entropy_forward(const torch::Tensor& z,
+                                                   const torch::Tensor& labels, double temperature);
+torch::Tensor logprob_entropy_backward(const torch::Tensor& z, const torch::Tensor& labels,
+                                       const torch::Tensor& lse, const torch::Tensor& ent,
+                                       const c10::optional<torch::Tensor>& grad_logp,
+                                       const c10::optional<torch::Tensor>& grad_ent,
+                                       double temperature, bool into_logits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_gemm", &row_gemm, "x [M, K] @ w [N, K].T for few rows M (float32, CPU)");
@@ -279,4 +286,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_backward", &rms_norm_backward, "LlamaRMSNorm's backward: (dx, dweight)");
   m.def("swiglu_forward", &swiglu_forward, "silu(gate) * up");
   m.def("swiglu_backward", &swiglu_backward, "silu(gate) * up's backward: (dgate, dup)");
+  m.def("logprob_entropy_forward", &logprob_entropy_forward,
+        "log-prob of each row's label and entropy of softmax(z / t): (logp, entropy, lse)");
+  m.def("logprob_entropy_backward", &logprob_entropy_backward,
+        "the gradient of logprob_entropy_forward's logp and entropy with respect to z");
 }

@@ -9,6 +9,10 @@
 // swiglu_forward / swiglu_backward: the gated MLP's silu(g) * u, forward and backward in one
 // pass each (autograd: silu, mul; mul, mul, silu_backward).
 //
+// logprob_entropy_forward / logprob_entropy_backward: the log-prob of each token's label and
+// the entropy of softmax(logits / t) over the vocabulary, and their gradient, one pass per row
+// each way.
+//
 // Rows are split across threads; the weight gradient of the norm is summed per thread, then
 // across threads in thread order.
 
@@ -167,4 +171,138 @@ std::vector<torch::Tensor> swiglu_backward(const torch::Tensor& dy, const torch:
     }
   });
   return {dg, du};
+}
+
+// ------------------------------------------------------------- log-probs and entropies
+
+namespace {
+
+inline vec vmax(vec a, vec b) { return a > b ? a : b; }
+
+// z / t for one row into a scratch row (the logits themselves when t == 1).
+inline const float* scaled_row(const float* z, int64_t V, double temperature, float* scratch) {
+  if (temperature == 1.0) return z;
+  const float t = static_cast<float>(temperature);
+  int64_t v = 0;
+  for (; v + kLanes <= V; v += kLanes) store(scratch + v, load(z + v) / t);
+  for (; v < V; ++v) scratch[v] = z[v] / t;
+  return scratch;
+}
+
+}  // namespace
+
+// z [R, V] logits, labels [R] int64, temperature -> (logp [R], entropy [R], lse [R]) of
+// softmax(z / temperature): logp = z[label] / t - lse, entropy = lse - sum_v p_v z_v / t, with
+// lse = log sum_v exp(z_v / t). Per row: one pass for the max, one for the sums (the row, 49k
+// floats for a 49k vocabulary, stays in L2 between them). Through torch it is a log-softmax,
+// a gather, an exp, a product and a sum, each writing or reading a fresh [R, V] tensor.
+std::vector<torch::Tensor> logprob_entropy_forward(const torch::Tensor& z,
+                                                   const torch::Tensor& labels,
+                                                   double temperature) {
+  check(z, "logprob_entropy_forward: logits");
+  TORCH_CHECK(z.dim() == 2 && labels.dim() == 1 && labels.size(0) == z.size(0) &&
+                  labels.scalar_type() == at::kLong && labels.is_contiguous(),
+              "logprob_entropy_forward: logits [R, V] and int64 labels [R] expected, got ",
+              z.sizes(), " and ", labels.sizes());
+  TORCH_CHECK(temperature > 0, "logprob_entropy_forward: temperature must be > 0");
+  const int64_t R = z.size(0), V = z.size(1);
+  TORCH_CHECK(R == 0 || (labels.min().item<int64_t>() >= 0 && labels.max().item<int64_t>() < V),
+              "logprob_entropy_forward: labels must be in [0, ", V, ")");
+  torch::Tensor logp = torch::empty({R}, z.options());
+  torch::Tensor ent = torch::empty({R}, z.options());
+  torch::Tensor lse = torch::empty({R}, z.options());
+  const float* zp = z.data_ptr<float>();
+  const int64_t* lp = labels.data_ptr<int64_t>();
+  float* logpp = logp.data_ptr<float>();
+  float* entp = ent.data_ptr<float>();
+  float* lsep = lse.data_ptr<float>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> scratch(temperature == 1.0 ? 0 : V);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* x = scaled_row(zp + r * V, V, temperature, scratch.data());
+      const int64_t v_vec = V - V % kLanes;
+      vec mv = vec{} - INFINITY;
+      for (int64_t v = 0; v < v_vec; v += kLanes) mv = vmax(mv, load(x + v));
+      float m = -INFINITY;
+      for (int l = 0; l < kLanes; ++l) m = std::max(m, mv[l]);
+      for (int64_t v = v_vec; v < V; ++v) m = std::max(m, x[v]);
+      // sum exp(x - m) and sum exp(x - m) (x - m); a -inf logit (p = 0) adds 0 to both.
+      vec sv = {}, wv = {};
+      const vec zero = {};
+      for (int64_t v = 0; v < v_vec; v += kLanes) {
+        const vec d = load(x + v) - m;
+        const vec e = vexp(d);
+        sv += e;
+        wv += e == zero ? zero : e * d;
+      }
+      float s = lanes_sum(sv), w = lanes_sum(wv);
+      for (int64_t v = v_vec; v < V; ++v) {
+        const float d = x[v] - m, e = std::exp(d);
+        s += e;
+        w += e == 0.f ? 0.f : e * d;
+      }
+      const float log_s = std::log(s);
+      lsep[r] = m + log_s;
+      logpp[r] = x[lp[r]] - lsep[r];
+      entp[r] = log_s - w / s;  // -sum p log p, p = e / s, log p = d - log s
+    }
+  });
+  return {logp, ent, lse};
+}
+
+// The gradient of the above with respect to z, for upstream gradients g (of logp) and h (of
+// the entropy), either absent: with x = z / t, log p = x - lse and H the entropy,
+//   dz_v = (g (onehot(label)_v - p_v) - h p_v (log p_v + H)) / t,
+// one pass per row writing dz (torch: a product, a scatter, xlogy and a division over [R, V]).
+torch::Tensor logprob_entropy_backward(const torch::Tensor& z, const torch::Tensor& labels,
+                                       const torch::Tensor& lse, const torch::Tensor& ent,
+                                       const c10::optional<torch::Tensor>& grad_logp,
+                                       const c10::optional<torch::Tensor>& grad_ent,
+                                       double temperature, bool into_logits) {
+  check(z, "logprob_entropy_backward: logits");
+  check(lse, "logprob_entropy_backward: lse");
+  check(ent, "logprob_entropy_backward: entropy");
+  const int64_t R = z.size(0), V = z.size(1);
+  const bool has_g = grad_logp.has_value() && grad_logp->defined();
+  const bool has_h = grad_ent.has_value() && grad_ent->defined();
+  torch::Tensor g = has_g ? grad_logp->contiguous() : torch::zeros({R}, z.options());
+  torch::Tensor h = has_h ? grad_ent->contiguous() : torch::zeros({R}, z.options());
+  check(g, "logprob_entropy_backward: grad of logp");
+  check(h, "logprob_entropy_backward: grad of entropy");
+  TORCH_CHECK(lse.numel() == R && ent.numel() == R && g.numel() == R && h.numel() == R &&
+                  labels.numel() == R,
+              "logprob_entropy_backward: [R] tensors expected");
+  // Each element of z is read before its gradient is written, so dz may take z's memory.
+  torch::Tensor dz = into_logits ? z : torch::empty_like(z);
+  const float* zp = z.data_ptr<float>();
+  const int64_t* lp = labels.data_ptr<int64_t>();
+  const float *lsep = lse.data_ptr<float>(), *entp = ent.data_ptr<float>();
+  const float *gp = g.data_ptr<float>(), *hp = h.data_ptr<float>();
+  float* dzp = dz.data_ptr<float>();
+  const float t = static_cast<float>(temperature);
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* zr = zp + r * V;
+      float* out = dzp + r * V;
+      const float gr = gp[r], hr = hp[r], l = lsep[r], H = entp[r];
+      const vec zero = {};
+      int64_t v = 0;
+      for (; v + kLanes <= V; v += kLanes) {
+        const vec x = temperature == 1.0 ? load(zr + v) : load(zr + v) / t;
+        const vec logp = x - l;
+        const vec p = vexp(logp);
+        const vec term = p * (gr + hr * (logp + H));
+        const vec d = p == zero ? zero : zero - term;  // 0 where p underflowed (as xlogy)
+        store(out + v, temperature == 1.0 ? d : d / t);
+      }
+      for (; v < V; ++v) {
+        const float x = temperature == 1.0 ? zr[v] : zr[v] / t;
+        const float logp = x - l, p = std::exp(logp);
+        const float d = p == 0.f ? 0.f : -(p * (gr + hr * (logp + H)));
+        out[v] = temperature == 1.0 ? d : d / t;
+      }
+      out[lp[r]] += temperature == 1.0 ? gr : gr / t;
+    }
+  });
+  return dz;
 }
