@@ -152,14 +152,30 @@ def run_trl(steps: int, bf16: bool) -> dict:
     return {"step_times": times, "total_s": time.perf_counter() - t0}
 
 
+def _steal_ticks() -> int | None:
+    """CPU time the hypervisor gave to other guests (all CPUs, clock ticks), from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8])  # cpu user nice system idle iowait irq softirq steal
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _child(opts: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(os.cpu_count() or 2)
+    steal0, t0 = _steal_ticks(), time.perf_counter()
     if opts.child == "trl":
         out = run_trl(opts.steps, opts.bf16)
     else:
         out = run_agentrl(opts.steps, opts.ray, opts.agentrl_gc, opts.bf16)
+    steal1, wall = _steal_ticks(), time.perf_counter() - t0
+    if steal0 is not None and steal1 is not None:
+        # Share of this child's CPU time (all CPUs x wall time) that ran other guests instead.
+        ticks = os.sysconf("SC_CLK_TCK") * wall * (os.cpu_count() or 1)
+        out["steal"] = (steal1 - steal0) / ticks
     # ru_maxrss covers this process; Ray workers are separate processes (use_ray=False here).
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(out))
@@ -204,8 +220,10 @@ def main() -> None:
         return
     # The VM's speed drifts by tens of percent between minutes: alternate the two sides and
     # compare each round's pair, rather than one long run of each.
-    rounds = [{name: _spawn(name, sys.argv[1:]) for name in ("trl", "agentrl")}
-              for _ in range(args.rounds)]
+    rounds = [
+        {name: _spawn(name, sys.argv[1:]) for name in ("trl", "agentrl")}
+        for _ in range(args.rounds)
+    ]
     precision = "bf16 mixed" if args.bf16 else "fp32"
     print(
         f"steps={args.steps} (median over steps 2..{args.steps}), rounds={args.rounds}, "
@@ -218,9 +236,10 @@ def main() -> None:
         for name, r in res.items():
             med[name] = statistics.median(r["step_times"][1:] or r["step_times"])
             steps_s = ", ".join(f"{t:.2f}" for t in r["step_times"])
+            steal = f"  CPU stolen by the host {r['steal']:.0%}" if "steal" in r else ""
             print(
                 f"round {k + 1} {name:8s} median {med[name]:6.2f} s/step  peak RSS "
-                f"{r['peak_rss_mb']:7.0f} MB  steps [{steps_s}]"
+                f"{r['peak_rss_mb']:7.0f} MB  steps [{steps_s}]{steal}"
             )
             for phase, times in r.get("phases", {}).items():
                 print(f"{'':17s}{phase:8s} median {statistics.median(times[1:] or times):.2f} s")
