@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from agentrl.engine import PromptTooLongError, create_engine
+from agentrl.engine import PromptTooLongError, create_engine, hf
 from agentrl.engine.hf import TransformersEngine
 from agentrl.engine.requests import cut_at_stop
 from agentrl.engine.sampling import filter_top_k_top_p
@@ -293,3 +293,57 @@ def test_import_is_light():
     code = "import sys, agentrl.engine, agentrl.rollout; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+async def test_samples_done_at_their_first_token_need_no_decode_step(engine, prompts, caplog):
+    # max_tokens=1: every sample ends in the prefill's own sampling; a decode step over rows
+    # that are all finished once failed (an empty index) and logged an error.
+    params = SamplingParams(temperature=1.0, max_tokens=1, n=4, seed=0)
+    done = await asyncio.gather(*(engine.generate(p, params) for p in prompts[:2]))
+    assert all(len(c.token_ids) == 1 and c.finish_reason == "length" for cs in done for c in cs)
+    # The requests resolve inside the engine's step; its lock is free once that step has ended.
+    with engine._step_lock:
+        pass
+    assert engine.counters["decode_steps"] == 0
+    assert "generation step failed" not in caplog.text
+    [c] = await engine.generate(prompts[2], SamplingParams(temperature=0, max_tokens=3))
+    assert len(c.token_ids) == 3  # the engine goes on as usual
+
+
+@pytest.mark.parametrize("cache_bytes", [1 << 30, 0])
+async def test_a_start_shared_by_prompts_is_encoded_once(
+    model, tiny_tokenizer, prompts, cache_bytes
+):
+    # Chat prompts of one step share a system prompt: with a prefix cache it is encoded once,
+    # then each prompt's prefill resumes from it. Outputs match prompts encoded one at a time.
+    header = (prompts[4] + prompts[2] + prompts[5]) * 4
+    assert 2 * len(header) >= hf._MIN_SHARED_TOKENS_SAVED  # 3 prompts: 2 encodings saved
+    batch = [header + p for p in prompts[:3]]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=True)
+    with TransformersEngine(model, tiny_tokenizer, prefix_cache_bytes=0) as alone:
+        want = [(await alone.generate(p, params))[0] for p in batch]
+    with TransformersEngine(
+        model, tiny_tokenizer, prefix_cache_bytes=cache_bytes, admission_window=0.1
+    ) as engine:
+        got = await asyncio.gather(*(engine.generate(p, params) for p in batch))
+        assert engine.counters["admissions"] == 1
+        shared = engine.counters["shared_prefix_prefills"]
+        encoded = engine.counters["prefill_tokens"]
+    if cache_bytes:
+        assert shared == 1
+        assert encoded == len(header) + sum(len(p) for p in prompts[:3])
+    else:
+        assert shared == 0 and encoded == sum(len(p) for p in batch)
+    for [c], w in zip(got, want, strict=True):
+        assert c.token_ids == w.token_ids
+        torch.testing.assert_close(c.logprobs, w.logprobs, atol=1e-4, rtol=0)
+
+
+async def test_a_short_shared_start_is_encoded_with_the_prompts(model, tiny_tokenizer, prompts):
+    # Two prompts sharing a few tokens: the extra forward pass would cost more than it saves.
+    batch = [prompts[4] + p for p in prompts[:2]]
+    assert len(prompts[4]) < hf._MIN_SHARED_TOKENS_SAVED
+    with TransformersEngine(model, tiny_tokenizer, admission_window=0.1) as engine:
+        await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=2)) for p in batch))
+        assert engine.counters["shared_prefix_prefills"] == 0
+        assert engine.counters["prefill_tokens"] == sum(len(p) for p in batch)
