@@ -11,6 +11,9 @@ values and gradients.
 The modules keep their type, parameters and hooks (the engine's decode step, checkpoints and
 exports see the same model); only `forward` is set on the instance, and it falls back to the
 module's own forward where the kernels do not apply (not float32 on CPU, or not built).
+
+`logprobs_and_entropy` is the same for the loss's input: the policy tokens' log-probs and the
+entropies over the vocabulary, one pass per token each way (see there).
 """
 
 from __future__ import annotations

@@ -207,12 +207,11 @@ class PolicyWorker:
         # One pass per token each way where the fused kernel applies (float32 CPU); it may write
         # the logits' gradient over the logits, which nothing here reads again.
         got = fused.logprobs_and_entropy(logits, targets, temp, into_logits=True)
-        if got is None and not entropy:
-            logp[rows, cols] = A.logprobs_from_logits(logits[None], targets[None], temp)[0]
-            return logp, None
-        if got is None:  # one log-softmax for both
+        if got is None and entropy:  # one log-softmax for both
             logp_m, ent_m = A.logprobs_and_entropy_from_logits(logits[None], targets[None], temp)
             got = logp_m[0], ent_m[0]
+        elif got is None:
+            got = A.logprobs_from_logits(logits[None], targets[None], temp)[0], None
         del logits
         logp[rows, cols] = got[0]
         if not entropy:

@@ -1,5 +1,5 @@
 """agentrl's CPU kernels (float32): decode steps of a few rows, and when they are used; the
-trainer's fused norm and gating.
+trainer's fused norm, gating and log-prob/entropy.
 
 A decode step feeds one token per row. At a handful of rows it is bound by reading the weights
 from memory, and the BLAS GEMM behind `F.linear` packs panels of the weight matrix on every
@@ -12,8 +12,8 @@ is ~45 small tensor operations whose Python and dispatch costs exceed their arit
 - `decode_layer`: a whole decoder layer in one call (norms, projections through `row_gemm`,
   rotary embedding, the KV-cache write, attention, gating, residuals).
 
-`csrc/cpu_train.cpp`, in the same module, has the trainer's fused RMSNorm and SiLU gating
-(forward and backward); trainers/fused.py uses them.
+`csrc/cpu_train.cpp`, in the same module, has the trainer's fused RMSNorm, SiLU gating and
+token log-prob/entropy over the vocabulary (forward and backward); trainers/fused.py uses them.
 
 Numbers: benchmarks/results/cpu_decode.md (`benchmarks/cpu_decode.py`).
 
