@@ -1,5 +1,8 @@
 """The `agentrl` command. Each subcommand lives in its own module and is imported only when
-run, so `agentrl --help` is instant and `agentrl envs` never loads torch."""
+run, so `agentrl --help` is instant and `agentrl envs` never loads torch.
+
+Flags are spelled with underscores in every subcommand (`--max_new_tokens`,
+`--rollout.n_samples_per_prompt`); the hyphenated spelling is accepted everywhere as an alias."""
 
 from __future__ import annotations
 
@@ -48,7 +51,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agentrl: unknown command {name!r}.{did_you_mean}\n\n{_usage()}", file=sys.stderr)
         return 2
     module, _, func = COMMANDS[name][0].partition(":")
-    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    return int(getattr(importlib.import_module(module), func)(underscored(rest)) or 0)
+
+
+def underscored(argv: list[str]) -> list[str]:
+    """Flag names with underscores, the one spelling every subcommand defines
+    (`--rollout.max-new-tokens 64` -> `--rollout.max_new_tokens 64`); values are left alone."""
+    out = []
+    for a in argv:
+        if a.startswith("--") and len(a) > 2:
+            name, eq, value = a.partition("=")
+            a = "--" + name[2:].replace("-", "_") + eq + value
+        out.append(a)
+    return out
 
 
 if __name__ == "__main__":

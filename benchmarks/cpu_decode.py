@@ -1,4 +1,4 @@
-"""agentrl's CPU decode kernels (agentrl.engine.kernels) against the torch path, in one process.
+"""agentrl's CPU decode kernels (agentrl.backends.cpu.kernels) against the torch path, in one process.
 
 1. Every weight matrix of the model (SmolLM2-135M: 211 matrices, 540 MB in float32) multiplied
    by R rows, R in --rows: one decode step's projections, F.linear vs the row GEMM, alternating.
@@ -6,7 +6,8 @@
    two engines over the same model, `cpu_kernels=False` (baseline: the lean torch step) and
    `cpu_kernels=True`, alternating.
 3. With --baseline-rev REV (a git revision of this repository): the same rollout with the
-   kernels built from REV's agentrl/engine/csrc against the current ones, every sample 32
+   kernels built from REV's csrc (agentrl/backends/cpu/csrc, or agentrl/engine/csrc before
+   issue 14) against the current ones, every sample 32
    tokens long (EOS ignored), alternating: a kernel change's effect.
 
     .venv/bin/python benchmarks/cpu_decode.py
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import statistics
 import time
@@ -34,7 +36,7 @@ def median_ms(fn, reps: int) -> float:
 
 
 def projections(model, rows_list: list[int], reps: int) -> None:
-    from agentrl.engine import kernels
+    from agentrl.backends.cpu import kernels
 
     weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
     mb = sum(w.numel() for w in weights) * 4 / 2**20
@@ -53,6 +55,7 @@ def projections(model, rows_list: list[int], reps: int) -> None:
 
 
 def rollouts(model, tok, rounds: int) -> None:
+    from agentrl.backends.cpu.decode import decode_logits
     from agentrl.engine.hf import TransformersEngine
     from agentrl.types import SamplingParams
 
@@ -65,7 +68,8 @@ def rollouts(model, tok, rounds: int) -> None:
         prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
     params = SamplingParams(max_tokens=32, temperature=1.0, n=4)
     engines = {
-        flag: TransformersEngine(model, tok, prefix_cache_bytes=0, seed=0, cpu_kernels=flag)
+        flag: TransformersEngine(model, tok, prefix_cache_bytes=0, seed=0,
+                                 decode_step=functools.partial(decode_logits, cpu_kernels=flag))
         for flag in (False, True)
     }
 
@@ -99,12 +103,16 @@ def against_baseline(model, tok, rev: str, rounds: int) -> None:
     import tarfile
     import tempfile
 
-    from agentrl.engine import kernels
+    from agentrl.backends.cpu import kernels
+    from agentrl.backends.cpu.decode import decode_logits
     from agentrl.engine.hf import TransformersEngine
     from agentrl.types import SamplingParams
 
-    csrc = "agentrl/engine/csrc"
     repo = pathlib.Path(__file__).resolve().parents[1]
+    for csrc in ("agentrl/backends/cpu/csrc", "agentrl/engine/csrc"):  # after / before issue 14
+        listed = subprocess.run(["git", "ls-tree", rev, csrc], cwd=repo, capture_output=True)
+        if listed.returncode == 0 and listed.stdout:
+            break
     archive = subprocess.run(
         ["git", "archive", rev, csrc], cwd=repo, check=True, capture_output=True
     ).stdout
@@ -117,7 +125,8 @@ def against_baseline(model, tok, rev: str, rounds: int) -> None:
                                      tokenize=True, return_dict=False))
         for q in ("What is 2+3?", "What is 7*6?")
     ]
-    engine = TransformersEngine(model, tok, prefix_cache_bytes=0, seed=0)
+    engine = TransformersEngine(model, tok, prefix_cache_bytes=0, seed=0,
+                                decode_step=functools.partial(decode_logits, cpu_kernels=True))
     engine.eos_ids = frozenset()  # every sample decodes 32 tokens: the same work on both sides
     params = SamplingParams(max_tokens=32, temperature=1.0, n=4)
     times: dict[str, list[float]] = {name: [] for name in mods}
@@ -149,7 +158,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--baseline-rev", help="only compare against the kernels of this git revision")
     args = ap.parse_args()
-    from agentrl.engine import kernels
+    from agentrl.backends.cpu import kernels
     from agentrl.models import load_model, load_tokenizer
 
     torch.set_num_threads(os.cpu_count() or 2)
@@ -157,7 +166,8 @@ def main() -> None:
         raise SystemExit("agentrl's CPU kernels did not build (see the warning above)")
     model = load_model(args.model).eval()
     tok = load_tokenizer(args.model)
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.model}")
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs: {kernels.cpu_model()} "
+          f"[{kernels.vector_flags()}], {args.model}")
     if args.baseline_rev:
         against_baseline(model, tok, args.baseline_rev, args.rounds)
         return

@@ -8,7 +8,7 @@ peak RSS (ru_maxrss) is comparable.
 
     python benchmarks/generation.py                         # CPU: 32 prompts x 4, 128 tokens
     python benchmarks/generation.py --device cuda --prompts 256 --samples 8
-    python benchmarks/generation.py --no-lean-decode        # engine without agentrl.engine.llama
+    python benchmarks/generation.py --no-lean-decode        # engine without the CPU decode step
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def useful(tokens: list[int], eos: set[int]) -> int:
 
 
 def run_engine(model, tok, prompts, args) -> dict:
+    from agentrl.backends import engine_options
     from agentrl.engine.hf import TransformersEngine
     from agentrl.types import SamplingParams
 
@@ -72,7 +73,7 @@ def run_engine(model, tok, prompts, args) -> dict:
         max_batch_size=args.max_batch_size,
         device=args.device,
         seed=0,
-        lean_decode=not args.no_lean_decode,
+        **({} if args.no_lean_decode else engine_options(args.device or "cpu")),
     )
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, n=args.samples
@@ -161,7 +162,7 @@ def main() -> None:
     ap.add_argument(
         "--no-lean-decode",
         action="store_true",
-        help="engine decodes through the model's forward, not agentrl.engine.llama",
+        help="engine decodes through the model's forward, not agentrl.backends' decode step",
     )
     ap.add_argument("--child", choices=["engine", "baseline"], help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -24,6 +24,7 @@ def child(args) -> None:
     import torch
 
     import agentrl  # noqa: F401 - registers env ids
+    from agentrl.backends import engine_options
     from agentrl.engine.hf import TransformersEngine
     from agentrl.models import load_model, load_tokenizer
     from agentrl.rollout import collect_sync
@@ -34,6 +35,7 @@ def child(args) -> None:
     engine = TransformersEngine(
         load_model(args.model), tok, device=args.device, seed=0,
         prefix_cache_bytes=(1 << 30) if args.child == "reuse" else 0,
+        **engine_options(args.device or "cpu"),
     )
     sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
 

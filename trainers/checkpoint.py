@@ -77,3 +77,23 @@ def _prune(root: Path, keep: int) -> None:
     steps = sorted(p for p in root.glob("step_*") if p.is_dir())
     for old in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def rng_state() -> dict[str, Any]:
+    """The random generators' states (torch, numpy, Python), for an exact resume."""
+    import random
+
+    import numpy as np
+
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+            "python": random.getstate()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])

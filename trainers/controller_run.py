@@ -16,5 +16,8 @@ def run(cfg: TrainConfig) -> int:
     except TrainingError as e:
         print(f"agentrl train: {e}", file=sys.stderr)
         return 1
+    except ValueError as e:  # a flag that does not fit the machine (checked before loading)
+        print(f"agentrl train: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(summary, indent=2))
     return 0

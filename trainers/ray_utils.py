@@ -1,9 +1,13 @@
-"""Starting a local Ray cluster the way CI and laptops need it."""
+"""Starting a local Ray cluster the way CI and laptops need it, and what each actor asks of it."""
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
+from typing import Any
+
+from trainers.config import TrainConfig
 
 
 def init_ray(num_cpus: int | None = None) -> None:
@@ -24,3 +28,57 @@ def init_ray(num_cpus: int | None = None) -> None:
         log_to_driver=True,
         _temp_dir=os.environ.get("AGENTRL_RAY_TMP") or tempfile.mkdtemp(prefix="agentrl-ray-"),
     )
+
+
+def actor_options(cfg: TrainConfig, *, rollout: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Ray `.options(...)` for each policy rank and for the rollout actor (if `rollout`), from
+    what the running cluster has.
+
+    On GPUs every process gets one GPU; placed mode places the ranks and the rollout engine
+    with the placement plan (trainers/placement.py: one STRICT_PACK group per node). On CPUs
+    the actors split the cluster's CPUs between them: Ray sets each actor's OMP_NUM_THREADS
+    (hence torch's threads) to its whole CPUs, so an actor that asked for none computes on one
+    thread.
+    """
+    import ray
+
+    total = ray.cluster_resources()
+    gpus = int(total.get("GPU", 0))
+    n_policy = cfg.num_policy_workers
+    if not _wants_cuda(cfg.actor.device, gpus):
+        share = float(total.get("CPU", 1)) / (n_policy + int(rollout))
+        cpus = math.floor(share) if share >= 1 else share
+        return [{"num_cpus": cpus}] * n_policy, {"num_cpus": cpus}
+    if gpus == 0:
+        raise ValueError(
+            f"--actor.device {cfg.actor.device}: the Ray cluster has no GPUs; use --actor.device "
+            "cpu, or join a cluster with GPUs"
+        )
+    if not rollout:
+        return [{"num_gpus": 1, "num_cpus": 1}] * n_policy, {}
+    return _placed_on_gpus(n_policy)
+
+
+def _wants_cuda(device: str, cluster_gpus: int) -> bool:
+    return device.startswith("cuda") or (device == "auto" and cluster_gpus > 0)
+
+
+def _placed_on_gpus(n_policy: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    import ray
+    from ray.util.placement_group import placement_group
+
+    from trainers.placement import Node, plan_placement, ray_options
+
+    nodes = [
+        Node(num_gpus=int(n["Resources"].get("GPU", 0)),
+             num_cpus=max(1, int(n["Resources"].get("CPU", 1))))
+        for n in ray.nodes() if n.get("Alive")
+    ]
+    plan = plan_placement(nodes, num_policy_workers=n_policy, num_engines=1, device="cuda",
+                          mode="placed")
+    groups = {n: placement_group(plan.node_bundles(n), strategy=plan.strategy)
+              for n in plan.used_nodes}
+    ray.get([g.ready() for g in groups.values()])
+    ranks = [ray_options(plan, groups[a.node], a) for a in plan.actors if a.role == "train"]
+    engine = plan.actor("engine", 0)
+    return ranks, ray_options(plan, groups[engine.node], engine)

@@ -13,6 +13,22 @@ from agentrl.types import SamplingParams, Trajectory
 from trainers.config import TrainConfig
 
 
+def make_engine(cfg: TrainConfig, model: Any, tokenizer: Any, device: torch.device) -> Any:
+    """The rollout engine `cfg.rollout.engine` names. transformers samples from `model` itself
+    (colocated, the module being trained); vllm loads its own copy of `cfg.actor.model`."""
+    from agentrl.engine import create_engine, open_engine
+
+    ro = cfg.rollout
+    if ro.engine == "transformers":
+        return create_engine(model, tokenizer=tokenizer, device=str(device))
+    return open_engine(
+        cfg.actor.model, engine=ro.engine, device=str(device), tokenizer=tokenizer,
+        tensor_parallel_size=ro.tensor_parallel_size,
+        gpu_memory_utilization=ro.gpu_memory_utilization, enable_sleep=ro.enable_sleep,
+        flag_prefix="--rollout.",
+    )
+
+
 def env_factory(cfg: TrainConfig, tokenizer: Any, *, eval_split: bool = False) -> Callable[[], Any]:
     import gymnasium as gym
 
@@ -151,13 +167,17 @@ class RolloutWorker:
     """Placed mode: an engine with its own copy of the weights, updated by `update_weights`."""
 
     def __init__(self, cfg: TrainConfig) -> None:
-        from agentrl.engine import create_engine
+        from agentrl.backends import resolve_device
         from agentrl.models import load_model, load_tokenizer
 
         self.cfg = cfg
+        device = resolve_device(cfg.actor.device)
         self.tokenizer = load_tokenizer(cfg.actor.model)
-        self.model = load_model(cfg.actor.model).eval()
-        self.engine = create_engine(self.model, tokenizer=self.tokenizer)
+        # vLLM loads the weights itself; the transformers engine samples from this copy.
+        self.model = None
+        if cfg.rollout.engine == "transformers":
+            self.model = load_model(cfg.actor.model).eval().to(device)
+        self.engine = make_engine(cfg, self.model, self.tokenizer, device)
 
     def collect(self, seeds: list[int], step: int) -> list[Trajectory]:
         fn = collect_agent_episodes if self.cfg.agent else collect_for_step
@@ -174,4 +194,6 @@ class RolloutWorker:
         return int(self.engine.version)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
+        if self.model is None:
+            raise ValueError("the vllm engine keeps its weights in its own processes")
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}

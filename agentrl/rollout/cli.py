@@ -43,10 +43,14 @@ class RolloutArgs:
     """First reset seed; also seeds sampling, so a rerun gives the same file."""
     out: Path = Path("rollouts.jsonl")
     """Where to write the trajectories."""
-    backend: str = "transformers"
-    """Engine backend: transformers or vllm."""
-    device: str | None = None
-    """Device for the transformers backend (default: cuda if available, else cpu)."""
+    engine: str = "transformers"
+    """Sampling engine: transformers (CPU and GPU) or vllm (the vllm package; `make vllm`)."""
+    device: str = "auto"
+    """Where the transformers engine runs: auto (cuda when a GPU is visible), cpu, cuda, cuda:N."""
+    tensor_parallel_size: int = 1
+    """vllm: GPUs per engine (tensor parallel)."""
+    gpu_memory_utilization: float = 0.5
+    """vllm on GPUs: the fraction of each GPU's memory for weights and KV cache."""
     max_batch_size: int = 64
     """Most sequences the engine decodes together."""
     progress: bool = True
@@ -62,7 +66,8 @@ class RolloutArgs:
 
 def main(argv: list[str]) -> int:
     try:
-        args = tyro.cli(RolloutArgs, args=argv, prog="agentrl rollout", description=__doc__)
+        args = tyro.cli(RolloutArgs, args=argv, prog="agentrl rollout", description=__doc__,
+                        use_underscores=True)
     except ValueError as e:
         print(f"agentrl rollout: {e}", file=sys.stderr)
         return 2
@@ -71,12 +76,11 @@ def main(argv: list[str]) -> int:
 
 def run(args: RolloutArgs) -> int:
     import gymnasium as gym
-    import torch
 
     import agentrl  # noqa: F401 - registers the built-in env ids
-    from agentrl.engine import create_engine
+    from agentrl.engine import open_engine
     from agentrl.envs import resolve_env_id
-    from agentrl.models import load_model, load_tokenizer
+    from agentrl.models import load_tokenizer
     from agentrl.rollout import collect_sync
     from agentrl.types import SamplingParams, save_jsonl
 
@@ -89,19 +93,14 @@ def run(args: RolloutArgs) -> int:
             seed=args.seed,
         )
         tokenizer = load_tokenizer(args.model)
+        engine = open_engine(
+            args.model, engine=args.engine, device=args.device, tokenizer=tokenizer,
+            max_batch_size=args.max_batch_size, tensor_parallel_size=args.tensor_parallel_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
     except ValueError as e:
         print(f"agentrl rollout: {e}", file=sys.stderr)
         return 2
-    if args.backend == "transformers":
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        engine = create_engine(
-            load_model(args.model),
-            tokenizer=tokenizer,
-            device=device,
-            max_batch_size=args.max_batch_size,
-        )
-    else:
-        engine = create_engine(args.model, backend=args.backend)
     start = time.perf_counter()
     try:
         trajs = collect_sync(

@@ -212,8 +212,14 @@ class EvalArgs:
     """Other env constructor arguments as JSON, e.g. '{"max_turns": 3}'."""
     out: Path | None = None
     """Write the trajectories here as JSON lines."""
-    device: str | None = None
-    """Device for the transformers backend (default: cuda if available, else cpu)."""
+    engine: str = "transformers"
+    """Sampling engine: transformers (CPU and GPU) or vllm (the vllm package; `make vllm`)."""
+    device: str = "auto"
+    """Where the transformers engine runs: auto (cuda when a GPU is visible), cpu, cuda, cuda:N."""
+    tensor_parallel_size: int = 1
+    """vllm: GPUs per engine (tensor parallel)."""
+    gpu_memory_utilization: float = 0.5
+    """vllm on GPUs: the fraction of each GPU's memory for weights and KV cache."""
     max_batch_size: int = 64
     """Most sequences the engine decodes together."""
     progress: bool = True
@@ -274,7 +280,8 @@ def _constructor_params(env_id: str) -> set[str] | None:
 
 def main(argv: list[str]) -> int:
     try:
-        args = tyro.cli(EvalArgs, args=argv, prog="agentrl eval", description=__doc__)
+        args = tyro.cli(EvalArgs, args=argv, prog="agentrl eval", description=__doc__,
+                        use_underscores=True)
     except ValueError as e:
         print(f"agentrl eval: {e}", file=sys.stderr)
         return 2
@@ -283,12 +290,11 @@ def main(argv: list[str]) -> int:
 
 def run(args: EvalArgs) -> int:
     import gymnasium as gym
-    import torch
 
     import agentrl  # noqa: F401 - registers the built-in env ids
-    from agentrl.engine import create_engine
+    from agentrl.engine import open_engine
     from agentrl.envs import resolve_env_id
-    from agentrl.models import load_model, load_tokenizer
+    from agentrl.models import load_tokenizer
     from agentrl.types import save_jsonl
 
     try:
@@ -296,12 +302,14 @@ def run(args: EvalArgs) -> int:
         kwargs = env_kwargs_for(args, env_id)
         tokenizer = load_tokenizer(args.model)
         gym.make(env_id, tokenizer=tokenizer, **kwargs).close()  # fail fast on bad options
+        engine = open_engine(
+            args.model, engine=args.engine, device=args.device, tokenizer=tokenizer,
+            max_batch_size=args.max_batch_size, tensor_parallel_size=args.tensor_parallel_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
     except ValueError as e:
         print(f"agentrl eval: {e}", file=sys.stderr)
         return 2
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = create_engine(load_model(args.model), tokenizer=tokenizer, device=device,
-                           max_batch_size=args.max_batch_size)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                               max_tokens=args.max_tokens, seed=args.seed)
     try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from agentrl.cli import main
 from agentrl.types import load_jsonl
 
@@ -38,3 +40,22 @@ def test_rollout_cli_bad_env(tmp_path, capsys):
     rc = main(["rollout", "--env", "revers", "--model", "tiny", "--out", str(tmp_path / "x.jsonl")])
     assert rc == 2
     assert "Did you mean 'reverse'" in capsys.readouterr().err
+
+
+def test_engine_and_device_are_checked_before_loading(tmp_path, capsys, monkeypatch):
+    import torch
+
+    from agentrl import models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model was loaded"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = str(tmp_path / "x.jsonl")
+    assert main(["rollout", "--env", "reverse", "--model", "tiny", "--engine", "vlm",
+                 "--out", out]) == 2
+    assert "Did you mean 'vllm'" in capsys.readouterr().err
+    assert main(["eval", "--env", "reverse", "--model", "tiny", "--device", "cuda"]) == 2
+    assert "no CUDA device is visible" in capsys.readouterr().err
+    assert main(["rollout", "--env", "reverse", "--model", "tiny", "--tensor-parallel-size", "2",
+                 "--out", out]) == 2
+    assert "--tensor_parallel_size > 1 and --enable_sleep need --engine vllm" in (
+        capsys.readouterr().err)

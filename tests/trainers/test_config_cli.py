@@ -37,6 +37,9 @@ DATA_PARALLEL = ["--env", "digits", "--num_policy_workers", "2", "--rollout.mode
             [*DATA_PARALLEL, "deepspeed", "--zero_stage", "4"],
             r"--zero_stage must be 1, 2 or 3 \(.*\), got 4",
         ),
+        (["--env", "digits", "--backend", "fsdp"], r"--backend 'fsdp' is unknown. Did you mean 'fsdp2'"),
+        (["--env", "digits", "--actor.device", "gpu"], r"--actor.device 'gpu' is not a device: use auto, cpu, cuda or cuda:N"),
+        (["--env", "digits", "--backend", "cpu", "--actor.device", "cuda"], r"--backend cpu .* use --backend local \(or auto\) on a GPU"),
     ],
 )
 def test_conflicting_flags_fail_before_loading(argv, match, monkeypatch):
@@ -45,6 +48,29 @@ def test_conflicting_flags_fail_before_loading(argv, match, monkeypatch):
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model was loaded"))
     with pytest.raises(ValueError, match=match):
         build_config(argv)
+
+
+def test_a_device_that_is_not_there_fails_before_loading(make_cfg, monkeypatch):
+    import torch
+
+    from agentrl import models
+    from trainers.policy import PolicyWorker
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model was loaded"))
+    with pytest.raises(ValueError, match=r"--actor.device cuda: no CUDA device is visible .* use "
+                                         r"--actor.device cpu"):
+        PolicyWorker(make_cfg(actor={"device": "cuda"}), with_engine=False)
+
+
+def test_deepspeed_without_its_package_says_what_to_install(monkeypatch):
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deepspeed" else find(name, *a))
+    with pytest.raises(ValueError, match=r"--backend deepspeed needs the deepspeed package: pip"):
+        build_config([*DATA_PARALLEL, "deepspeed"])
 
 
 @pytest.mark.parametrize(
@@ -93,3 +119,49 @@ def test_boolean_flags_take_any_case_and_strings_stay_as_typed():
     assert cfg.run_dir == "false"  # a string field keeps its value
     cfg = build_config(["--env", "digits", "--use_ray", "True"])
     assert cfg.use_ray is True
+
+
+@pytest.mark.parametrize(
+    ("changes", "gpus", "match"),
+    [
+        ({"actor": {"device": "cuda"}}, 0, r"--actor.device cuda: no CUDA device is visible"),
+        ({"rollout": {"engine": "vllm", "tensor_parallel_size": 4}}, 2,
+         r"--rollout.tensor_parallel_size 4 is more than the 2 GPUs visible; use at most 2"),
+    ],
+)
+def test_machine_checks_run_before_any_model_loads(make_cfg, changes, gpus, match, monkeypatch):
+    import importlib.util
+
+    from trainers.controller import preflight
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",  # as if vllm were installed
+                        lambda name, *a: object() if name == "vllm" else find(name, *a))
+    with pytest.raises(ValueError, match=match):
+        preflight(make_cfg(**changes), gpus)
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--rollout.engine", "vlm"], r"--rollout.engine 'vlm' is not an engine. Did you mean"),
+        (["--rollout.tensor_parallel_size", "2"],
+         r"--rollout.tensor_parallel_size > 1 and --rollout.enable_sleep need --rollout.engine"),
+    ],
+)
+def test_engine_flags_are_checked(argv, match):
+    with pytest.raises(ValueError, match=match):
+        build_config(["--env", "digits", *argv])
+
+
+def test_vllm_without_its_package_says_what_to_install(monkeypatch):
+    import importlib.util
+    import sys
+
+    find = importlib.util.find_spec
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "vllm" else find(name, *a))
+    with pytest.raises(ValueError, match=r"--rollout.engine vllm: the vllm package is not "
+                                         r"installed; install it .* `make vllm`"):
+        build_config(["--env", "digits", "--rollout.engine", "vllm"])

@@ -1,6 +1,5 @@
-"""The policy update's shortcuts against the plain computations they replace: the fused
-log-prob/entropy pass, the tied embedding's gradient rows added in place and the gradient
-clipping."""
+"""The policy worker's one log-prob function against a plain forward: values and gradients, with
+the cpu backend's shortcuts (fused log-prob/entropy pass, embedding rows added in place)."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import copy
 import pytest
 import torch
 
-from trainers.policy import _clip_grad_norm, _tied_embedding_rows_in_place
 
 LAYOUTS = {"packed": {"packing": True, "share_prefixes": False}, "padded": {"packing": False}}
 
@@ -30,7 +28,7 @@ def test_forward_values_and_gradients_match_a_plain_forward(
         algo={"entropy_coef": entropy_coef}, rollout={"temperature": 0.8}, **LAYOUTS[layout]
     )
     worker = PolicyWorker(cfg, with_engine=False)
-    assert worker.embedding_rows_in_place
+    assert worker.policy.embedding_rows_in_place
     plain = copy.deepcopy(worker.model)
     for m in plain.modules():  # back to the modules' own forwards (embedding, fused kernels)
         vars(m).pop("forward", None)
@@ -39,7 +37,9 @@ def test_forward_values_and_gradients_match_a_plain_forward(
     n = int(batch.lengths.max())
     w_logp, w_ent = torch.randn(2, 6, n - 1).mul(batch.mask[:, : n - 1]).unbind()
 
-    logp, ent = worker._forward(worker.model, batch, torch.arange(6), n, entropy=True)
+    logp, ent = worker._logprobs(
+        worker.policy, worker.model, batch, (torch.arange(6), n), entropy=True
+    )
     assert ent is not None and ent.requires_grad == (entropy_coef > 0)
     ((w_logp * logp).sum() + (w_ent * ent).sum()).backward()
 
@@ -61,112 +61,3 @@ def test_forward_values_and_gradients_match_a_plain_forward(
         assert p.grad is not None and p.grad.layout == torch.strided, name
         scale = float(ref.grad.abs().max()) + 1e-12
         torch.testing.assert_close(p.grad, ref.grad, atol=1e-5 * scale, rtol=1e-4, msg=name)
-
-
-def test_embedding_rows_in_place_only_for_tied_weights(make_cfg):
-    from agentrl.models import load_model
-    from trainers.policy import PolicyWorker
-
-    untied = load_model("tiny")
-    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
-    assert not _tied_embedding_rows_in_place(untied)
-    assert "forward" not in vars(untied.get_input_embeddings())
-    worker = PolicyWorker(make_cfg(algo={"estimator": "gae"}), with_engine=False)
-    assert worker.embedding_rows_in_place
-    # The critic is a copy of the backbone taken before: its embedding is left alone.
-    assert worker.critic is not None
-    assert "forward" not in vars(worker.critic.backbone.embed_tokens)
-
-
-class _Tied(torch.nn.Module):
-    def __init__(self, padding_idx):
-        super().__init__()
-        self.emb = torch.nn.Embedding(11, 4, padding_idx=padding_idx)
-        self.head = torch.nn.Linear(4, 11, bias=False)
-        self.head.weight = self.emb.weight
-
-    def get_input_embeddings(self):
-        return self.emb
-
-    def get_output_embeddings(self):
-        return self.head
-
-    def forward(self, ids):
-        return self.head(torch.tanh(self.emb(ids)))
-
-
-@pytest.mark.parametrize("padding_idx", [None, 3])
-def test_embedding_rows_in_place_equal_autograd(padding_idx):
-    """A tied embedding + head: the rows added in place give autograd's gradient (padding row
-    excluded), accumulate over backwards, and a no-grad lookup adds nothing."""
-    torch.manual_seed(0)
-    ref = _Tied(padding_idx)
-    fast = copy.deepcopy(ref)
-    assert _tied_embedding_rows_in_place(fast)
-    head_only = copy.deepcopy(ref)
-    ids = [torch.tensor([[1, 3, 3, 7, 1, 10]]), torch.tensor([[3, 0, 2, 2]])]
-    for x in ids:  # two backwards: the second accumulates into the existing .grad
-        w = torch.randn(x.shape[1], 11)
-        (ref(x) * w).sum().backward()
-        (fast(x) * w).sum().backward()
-        (head_only.head(torch.tanh(head_only.emb(x).detach())) * w).sum().backward()
-    torch.testing.assert_close(fast.emb.weight.grad, ref.emb.weight.grad, rtol=1e-6, atol=1e-6)
-    # Against the head's gradient alone, exactly the looked-up rows (but padding) differ.
-    looked_up = {int(i) for x in ids for i in x.flatten()} - {padding_idx}
-    for row in range(11):
-        same = torch.allclose(fast.emb.weight.grad[row], head_only.emb.weight.grad[row])
-        assert same == (row not in looked_up), row
-    with torch.no_grad():
-        before = fast.emb.weight.grad.clone()
-        fast(ids[0])
-    assert torch.equal(fast.emb.weight.grad, before)
-    # A copy adds its rows into its own weight's gradient, not the original's.
-    twin = copy.deepcopy(fast)
-    twin.zero_grad(set_to_none=True)
-    twin(ids[0]).sum().backward()
-    assert torch.equal(fast.emb.weight.grad, before) and twin.emb.weight.grad is not None
-
-
-@pytest.mark.parametrize(
-    ("ratio", "poison", "scales"),
-    [
-        (2.0, None, False),  # max_norm = 2 norm: torch would multiply by exactly 1.0
-        (1.0 + 1e-7, None, True),  # above the norm, below norm + 1e-6: torch scales by < 1
-        (1.0, None, True),  # at the norm
-        (0.3, None, True),  # below the norm
-        (2.0, float("nan"), True),  # NaN norm: grads become NaN, as with torch
-        (2.0, float("inf"), True),  # inf norm: scaled by 0 (inf * 0 = NaN), as with torch
-    ],
-)
-def test_clip_grad_norm_matches_torch(monkeypatch, ratio, poison, scales):
-    gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in ((40, 30), (7,), (2, 2, 2))]
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen) * 0.1  # norm ~3.5: float32 resolves 1e-6
-    # Relative to our own norm (torch's may differ in the last bit, which matters at 1 + 1e-7).
-    max_norm = float(_clip_grad_norm(params, float("inf"))) * ratio
-    if poison is not None:
-        params[1].grad[3] = poison
-    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    for r, p in zip(ref, params, strict=True):
-        r.grad = p.grad.clone()
-    want = torch.nn.utils.clip_grad_norm_(ref, max_norm)
-    calls = []
-    clip = torch.nn.utils.clip_grads_with_norm_
-    monkeypatch.setattr(
-        torch.nn.utils, "clip_grads_with_norm_", lambda *a, **k: calls.append(1) or clip(*a, **k)
-    )
-    got = _clip_grad_norm(params, max_norm)
-    assert bool(calls) == scales
-    # Sums of squares in another order than torch's per-tensor norms: equal up to round-off.
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=0, equal_nan=True)
-    for p, r in zip(params, ref, strict=True):
-        torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=0, equal_nan=True)
-
-
-def test_clip_grad_norm_of_other_dtypes_is_torch_s():
-    params = [torch.nn.Parameter(torch.zeros(5, dtype=torch.bfloat16)) for _ in range(2)]
-    for k, p in enumerate(params):
-        p.grad = torch.linspace(-1, 1 + k, 5, dtype=torch.bfloat16)
-    want = torch.nn.utils.get_total_norm([p.grad for p in params])
-    assert torch.equal(_clip_grad_norm(params, 1e9), want)

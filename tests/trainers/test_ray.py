@@ -115,10 +115,10 @@ def test_two_ranks_match_one_process(ray_cluster, make_cfg, recorded_rollouts, t
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4)
     state = trainer.policy.call("state_dict")
     if algo:
-        critic = local.critic.state_dict()
-        assert state["critic"].keys() == critic.keys()
+        critic = local.critic.state_dict()["model"]
+        assert state["critic"]["model"].keys() == critic.keys()
         for k in critic:
-            torch.testing.assert_close(state["critic"][k], critic[k], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(state["critic"]["model"][k], critic[k], rtol=1e-4, atol=1e-4)
 
     # Checkpoints hold full tensors; loading the one taken after the first update brings its
     # weights back onto the shards / ZeRO partitions of every rank.
@@ -127,10 +127,14 @@ def test_two_ranks_match_one_process(ray_cluster, make_cfg, recorded_rollouts, t
         assert len(first["optimizer"]) == 2  # one ZeRO partition per rank
     trainer.policy.call("load_state_dict", first)
     again = trainer.policy.call("state_dict")
-    for name in ("model", "critic") if algo else ("model",):
-        assert not all(torch.equal(first[name][k], state[name][k]) for k in first[name])
-        for k in first[name]:
-            assert torch.equal(again[name][k], first[name][k]), (name, k)
+    def weights(s, name):  # the policy's state is the top level, the critic's a section
+        return s["model"] if name == "policy" else s["critic"]["model"]
+
+    for name in ("policy", "critic") if algo else ("policy",):
+        w_first, w_state, w_again = (weights(s, name) for s in (first, state, again))
+        assert not all(torch.equal(w_first[k], w_state[k]) for k in w_first)
+        for k in w_first:
+            assert torch.equal(w_again[k], w_first[k]), (name, k)
     trainer.policy.call("export_hf", str(tmp_path / "hf"))
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).state_dict()
     for k in want:

@@ -62,13 +62,13 @@ def test_micro_batching_does_not_change_the_update(make_cfg, recorded_rollouts):
         worker = PolicyWorker(make_cfg(micro_batch_size=mbs, actor={"max_grad_norm": 0.0}),
                               with_engine=False)
         seen = {}
-        step = worker.optimizer.step
+        step = worker.policy.optimizer.step
 
         def capture(*a, _seen=seen, _w=worker, _step=step, **k):
             _seen.update({n: p.grad.clone() for n, p in _w.model.named_parameters()})
             return _step(*a, **k)
 
-        worker.optimizer.step = capture
+        worker.policy.optimizer.step = capture
         worker.train(trajs, 0.0)
         grads.append(seen)
     # Compare the accumulated gradients (Adam would amplify float noise in near-zero ones).
@@ -159,13 +159,13 @@ def test_packing_and_prefix_sharing_give_the_same_update_as_padding(make_cfg, re
     metrics, grads = {}, {}
     for name, layout in LAYOUTS.items():
         worker = PolicyWorker(make_cfg(micro_batch_size=8, **layout), with_engine=False)
-        step = worker.optimizer.step
+        step = worker.policy.optimizer.step
 
         def snapshot(*args, _name=name, _worker=worker, _step=step, **kwargs):
             grads[_name] = {k: p.grad.clone() for k, p in _worker.model.named_parameters()}
             return _step(*args, **kwargs)
 
-        worker.optimizer.step = snapshot
+        worker.policy.optimizer.step = snapshot
         metrics[name] = worker.train(trajs, 0.0)
     assert metrics["shared"]["shared_prompt_tokens"] > 0
     assert metrics["packed"]["shared_prompt_tokens"] == 0
@@ -193,7 +193,7 @@ def test_forward_matches_a_plain_forward_at_policy_tokens(make_cfg, recorded_rol
     idx = torch.arange(6)
     n = int(batch.lengths.max())
     with torch.no_grad():
-        logp, _ = worker._forward(worker.model, batch, idx, n)
+        logp, _ = worker._logprobs(worker.policy, worker.model, batch, (idx, n))
         assert (worker.shared_tokens > 0) == (layout == "shared")
         for b, traj in enumerate(trajs):
             ids = torch.tensor([traj.token_ids])
@@ -218,8 +218,8 @@ def test_bf16_mixed_precision_computes_in_bf16_over_float32_weights(make_cfg, re
     batch = collate(trajs, full.pad_id)
     idx, n = torch.arange(len(trajs)), int(batch.lengths.max())
     with torch.no_grad():
-        diff = (mixed._forward(mixed.model, batch, idx, n)[0]
-                - full._forward(full.model, batch, idx, n)[0]).abs()[batch.mask.bool()]
+        diff = (mixed._logprobs(mixed.policy, mixed.model, batch, (idx, n))[0]
+                - full._logprobs(full.policy, full.model, batch, (idx, n))[0]).abs()[batch.mask.bool()]
     # Same weights, bf16 matmuls: logprobs differ at bf16 precision, not more, not less.
     assert 1e-3 < float(diff.max()) < 0.3 and float(diff.mean()) < 0.05
     m_full, m_mixed = full.train(trajs, 0.0), mixed.train(trajs, 0.0)
@@ -228,7 +228,7 @@ def test_bf16_mixed_precision_computes_in_bf16_over_float32_weights(make_cfg, re
     # ... while the weights and the optimizer state stay float32.
     assert all(p.dtype == torch.float32 for p in mixed.model.parameters())
     assert all(
-        s.dtype == torch.float32 for st in mixed.optimizer.state.values() for s in st.values()
+        s.dtype == torch.float32 for st in mixed.policy.optimizer.state.values() for s in st.values()
     )
 
 
@@ -267,7 +267,7 @@ def test_prefix_sharing_handles_identical_and_short_prefixes(make_cfg):
     packed = pack(batch, idx, n)
     assert packed.shared_tokens == 15 + 13
     with torch.no_grad():
-        logp, _ = worker._forward(worker.model, batch, idx, n)
+        logp, _ = worker._logprobs(worker.policy, worker.model, batch, (idx, n))
         for b, traj in enumerate(trajs):
             ids = torch.tensor([traj.token_ids])
             ref = torch.log_softmax(worker.model(input_ids=ids).logits[0, :-1], -1)

@@ -1,11 +1,11 @@
-"""trainers.host_memory: the allocator settings that keep freed memory for the next step, and
+"""agentrl.backends.cpu.host_memory: the allocator settings that keep freed memory for the next step, and
 the trainer giving the heap back only after the engine freed a large KV cache."""
 
 from __future__ import annotations
 
 import pytest
 
-from trainers import host_memory
+from agentrl.backends.cpu import backend, host_memory
 
 
 class _RecordingLibc:
@@ -50,7 +50,7 @@ def test_trainer_trims_only_after_a_large_kv_cache(make_cfg, recorded_rollouts, 
     worker.engine.prefix_cache.nbytes = 1 << 20  # as if 1 MiB of KV were cached
     worker.train(trajs, 0.0)
     assert trims == []
-    worker.engine.prefix_cache.nbytes = policy._TRIM_AFTER_KV_BYTES
+    worker.engine.prefix_cache.nbytes = backend.TRIM_AFTER_KV_BYTES
     worker.train(trajs, 0.0)
     assert trims == [1]
     worker.engine.close()

@@ -35,7 +35,7 @@ from transformers.activations import SiLUActivation
 from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
 from transformers.models.llama import modeling_llama as _llama
 
-from agentrl.engine import kernels
+from agentrl.backends.cpu import kernels
 from agentrl.engine.kv import BufferLayer
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ def decode_logits(
     `cache` holds T - 1 columns per layer and gets the new keys/values appended; `mask_B_T`
     (1 = real token) covers the cache columns and the new one. Without `cpu_kernels` the step
     is bit-identical to the model's forward. With it, a float32 CPU step of at most
-    `kernels.MAX_ROWS` rows runs each layer in `agentrl.engine.kernels` (equal up to float32
+    `kernels.MAX_ROWS` rows runs each layer in `agentrl.backends.cpu.kernels` (equal up to float32
     round-off; see there); other steps are unchanged. `counters["kernel_decode_steps"]` counts
     the steps that did.
     """

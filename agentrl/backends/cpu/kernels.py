@@ -13,15 +13,15 @@ is ~45 small tensor operations whose Python and dispatch costs exceed their arit
   rotary embedding, the KV-cache write, attention, gating, residuals).
 
 `csrc/cpu_train.cpp`, in the same module, has the trainer's fused RMSNorm, SiLU gating and
-token log-prob/entropy over the vocabulary (forward and backward); trainers/fused.py uses them.
+token log-prob/entropy over the vocabulary (forward and backward); `fused.py` uses them.
 
 Numbers: benchmarks/results/cpu_decode.md (`benchmarks/cpu_decode.py`).
 
 The module is compiled on first use with `torch.utils.cpp_extension` (g++ and ninja, ~40 s,
 cached under `TORCH_EXTENSIONS_DIR`; the cache key includes the CPU's flags since it is built
 with `-march=native`). Without a compiler, everything here falls back to the torch path;
-`AGENTRL_CPU_KERNELS=0` in the environment turns the kernels off everywhere (the engine's
-`cpu_kernels=False` does it for one engine). Results equal the torch path up to float32
+`AGENTRL_CPU_KERNELS=0` in the environment turns the kernels off everywhere. Whether a built
+kernel is used is measured on the CPU at hand (`calibrate.py`). Results equal the torch path up to float32
 round-off (other summation orders), and each row's result does not depend on the other rows.
 """
 
@@ -88,19 +88,43 @@ def compile_sources(csrc: Path, prefix: str = "agentrl_cpu_kernels") -> Any:
     from torch.utils.cpp_extension import load
 
     files = sorted(p for p in csrc.iterdir() if p.suffix in (".cpp", ".h"))
-    key = hashlib.sha256(_cpu_flags().encode() + torch.__version__.encode())
-    for path in files:
-        key.update(path.name.encode() + path.read_bytes())
     logger.info("compiling agentrl's CPU kernels (once per machine, ~40 s)")
     return load(
-        name=f"{prefix}_{key.hexdigest()[:12]}",
+        name=f"{prefix}_{source_key(csrc)}",
         sources=[str(p) for p in files if p.suffix == ".cpp"],
         extra_cflags=["-O3", "-march=native", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
     )
 
 
-def _cpu_flags() -> str:
+def source_key(csrc: Path = _CSRC) -> str:
+    """A short hash of the kernel sources, the CPU's flags and the torch version: what a build
+    (and a measurement of it) depends on."""
+    key = hashlib.sha256(cpu_flags().encode() + torch.__version__.encode())
+    for path in sorted(p for p in csrc.iterdir() if p.suffix in (".cpp", ".h")):
+        key.update(path.name.encode() + path.read_bytes())
+    return key.hexdigest()[:12]
+
+
+def cpu_model() -> str:
+    """The CPU's model name (for benchmark records and the calibration log)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def vector_flags() -> str:
+    """The CPU's SIMD extensions that matter for the kernels (avx2, avx512*, amx*, fma)."""
+    flags = cpu_flags().split()
+    keep = ("avx", "fma", "amx", "sve", "neon", "asimd")
+    return " ".join(sorted({f for f in flags if f.startswith(keep)}))
+
+
+def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):

@@ -1,4 +1,4 @@
-"""The lean Llama decode step (agentrl.engine.llama): bit-identical to the transformers forward,
+"""The lean Llama decode step (agentrl.backends.cpu.decode): bit-identical to the transformers forward,
 used by the engine where it applies, and bypassed where it would not reproduce the model."""
 
 from __future__ import annotations
@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from agentrl.backends.cpu.decode import decode_logits
 from agentrl.engine.hf import TransformersEngine
 from agentrl.engine.kv import BatchCache
-from agentrl.engine.llama import decode_logits
 from agentrl.types import SamplingParams
-
-from ._models import generate_together, llama_variant, prefill_cache, sharp_tiny_model
+from tests.engine._models import generate_together, llama_variant, prefill_cache, sharp_tiny_model
 
 
 def _decode_both(model, prompts, steps):
@@ -82,14 +81,13 @@ async def test_engine_samples_the_same_with_and_without_the_lean_step(
     results = {}
     for lean in (True, False):
         # No prefix cache: a request resumed from cached KV may differ in the last float bits.
-        # No CPU kernels (their sums round differently; tests/engine/test_kernels.py).
+        # No CPU kernels (their sums round differently; tests/backends/test_kernels.py).
         with TransformersEngine(
             model,
             tiny_tokenizer,
             max_batch_size=8,
             prefix_cache_bytes=0,
-            lean_decode=lean,
-            cpu_kernels=False,
+            decode_step=decode_logits if lean else None,
         ) as engine:
             results[lean] = await generate_together(engine, requests)
             assert (engine.counters["lean_decode_steps"] > 0) == lean
@@ -107,7 +105,9 @@ async def test_hooks_make_the_engine_use_the_forward(tiny_tokenizer, prompts):
         out[..., target] += 1e4
         return out
 
-    with TransformersEngine(model, tiny_tokenizer, prefix_cache_bytes=0) as engine:
+    with TransformersEngine(
+        model, tiny_tokenizer, prefix_cache_bytes=0, decode_step=decode_logits
+    ) as engine:
         params = SamplingParams(temperature=0, max_tokens=6)
         [free] = await engine.generate(prompts[0], params)
         assert engine.counters["lean_decode_steps"] == engine.counters["decode_steps"] > 0

@@ -4,7 +4,7 @@ Through autograd, an `LlamaRMSNorm` is ~6 tensor operations forward and ~10 back
 gated MLP's `silu(gate) * up` 2 forward and 3 backward, each a pass over [tokens, width] with its
 own dispatch and temporaries. For SmolLM2-135M (61 norms, 30 MLPs) on the 2-core CPU that is
 ~0.1 s of a ~2.3 s GRPO update. `use_fused_kernels(model)` routes these modules' forwards through
-`agentrl.engine.kernels` (csrc/cpu_train.cpp): one pass forward, one backward. Results equal
+`agentrl.backends.cpu.kernels` (csrc/cpu_train.cpp): one pass forward, one backward. Results equal
 autograd's up to float32 round-off (other summation orders, a polynomial exp); tests compare
 values and gradients.
 
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from agentrl.engine import kernels
+from agentrl.backends.cpu import kernels
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -102,14 +102,22 @@ def logprobs_and_entropy(
     on the 2-core CPU, here ~7 ms. With `into_logits` the backward writes the logits' gradient
     over the logits themselves (a fresh 50 MB tensor costs ~15 ms of page faults there): for a
     caller that holds the logits for nothing else, since their values are gone after it."""
-    if (
-        kernels.module() is None
-        or logits_TV.dim() != 2
-        or not _applies(logits_TV)
-        or temperature <= 0
-    ):
+    # The cheap checks first: a tensor that is not float32 on the CPU never builds the kernels.
+    if logits_TV.dim() != 2 or not _applies(logits_TV) or temperature <= 0:
+        return None
+    if kernels.module() is None:
         return None
     return _LogProbEntropy.apply(logits_TV, labels_T, float(temperature), into_logits)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """`weight * x * rsqrt(mean(x^2) + eps)` over the last dimension, one pass each way."""
+    return _RMSNorm.apply(x, weight, float(eps))
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """`silu(gate) * up`, one pass each way."""
+    return _SwiGLU.apply(gate, up)
 
 
 def _applies(*tensors: Tensor) -> bool:
@@ -165,7 +173,7 @@ def _is_gated_silu_mlp(module: nn.Module) -> bool:
     """`down_proj(act_fn(gate_proj(x)) * up_proj(x))` with SiLU (the Llama MLP's forward)."""
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from agentrl.engine.llama import SILU_CLASSES
+    from agentrl.backends.cpu.decode import SILU_CLASSES
 
     forward = type(module).forward
     return (

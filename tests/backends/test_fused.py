@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from agentrl.engine import kernels
-from trainers import fused
+from agentrl.backends.cpu import calibrate, fused, kernels
 
 pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None or shutil.which("ninja") is None,
@@ -140,12 +139,19 @@ def test_nothing_is_routed_without_the_kernels(monkeypatch):
     assert all("forward" not in vars(m) for m in model.modules())
 
 
-def test_the_policy_worker_trains_through_them(make_cfg):
+@pytest.mark.parametrize("measured_faster", [True, False])
+def test_the_cpu_backend_routes_them_only_where_measured_faster(
+    make_cfg, monkeypatch, measured_faster
+):
     from trainers.policy import PolicyWorker
 
+    on = calibrate.Choice(decode=False, train=measured_faster, logprobs=False, speedups={})
+    monkeypatch.setattr(calibrate, "choice", lambda: on)
     worker = PolicyWorker(make_cfg(algo={"estimator": "gae", "kl_coef": 0.01}), with_engine=False)
-    for model in (worker.model, worker.ref_model, worker.critic):
-        assert "forward" in vars(model.get_decoder().norm)
+    assert worker.ref is not None and worker.critic is not None
+    for backend in (worker.policy, worker.ref, worker.critic):
+        norm = backend.module.get_decoder().norm
+        assert ("forward" in vars(norm)) == measured_faster
 
 
 def _logits(rows, vocab, seed, scale=3.0):

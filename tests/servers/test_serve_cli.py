@@ -1,0 +1,50 @@
+"""`agentrl serve` flags: the embedded default with no --model, engine and device checked before
+any model loads."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from agentrl.cli import main
+
+
+def test_no_model_flag_serves_the_embedded_default():
+    import tyro
+
+    from servers.cli import ServeArgs
+
+    args = tyro.cli(ServeArgs, args=[], use_underscores=True)
+    assert (args.model, args.engine, args.device) == ("smollm2-135m-instruct", "transformers",
+                                                      "auto")
+
+
+def test_an_unknown_engine_says_did_you_mean(capsys, monkeypatch):
+    from agentrl import models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model was loaded"))
+    with pytest.raises(SystemExit):
+        main(["serve", "--engine", "vlm"])
+    assert "Did you mean 'vllm'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")
+def test_vllm_without_the_package_says_what_to_install(capsys, monkeypatch):
+    from agentrl import models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model was loaded"))
+    with pytest.raises(SystemExit):
+        main(["serve", "--engine", "vllm"])
+    assert "the vllm package is not installed" in capsys.readouterr().err
+
+
+def test_a_missing_gpu_fails_before_loading(capsys, monkeypatch):
+    import torch
+
+    from agentrl import models
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model was loaded"))
+    assert main(["serve", "--model", "tiny", "--device", "cuda"]) == 2
+    assert "--device cuda: no CUDA device is visible" in capsys.readouterr().err

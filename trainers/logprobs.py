@@ -1,0 +1,91 @@
+"""The trainer's one log-prob function: of the sampled tokens, under the policy, the policy
+before the update, or the reference model, with the same packing and arithmetic for each."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import torch
+from torch import Tensor, nn
+
+from agentrl.backends import TrainBackend
+from agentrl.backends.device import autocast
+from trainers.batch import RolloutBatch, pack
+from trainers.config import TrainConfig
+
+Rows = tuple[Tensor, int]
+"""A micro-batch: row indices into the batch and their padded length n."""
+
+
+def token_logprobs(
+    cfg: TrainConfig, backend: TrainBackend, module: nn.Module, batch: RolloutBatch, rows: Rows,
+    *, entropy: bool = False,
+) -> tuple[Tensor, Tensor | None, int]:
+    """Log-probs (and entropies) of the policy tokens of `rows` under `module` (what `backend`
+    trains or holds), as [m, n-1] (0 elsewhere), and the prompt tokens prefix sharing saved.
+
+    With packing (default) the rows are concatenated into one padding-free sequence, and the
+    vocabulary projection, log-softmax and entropy run only at the positions that predict a
+    policy token (`logits_to_keep`): prompts and observations are most of a multi-turn
+    sequence, and the [tokens, vocab] logits are the largest tensors of the step. The entropy
+    carries a gradient only with an entropy bonus (otherwise it is a logged metric).
+    """
+    idx, n = rows
+    r, c = batch.mask[idx, : n - 1].nonzero(as_tuple=True)
+    targets = batch.input_ids[idx[r], c + 1]
+    shared = 0
+    if cfg.packing:
+        packed = pack(batch, idx, n, share_prefixes=cfg.share_prefixes and _masks(module))
+        flat = packed.index[r, c]
+        inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids}
+        if packed.attention_mask is not None:
+            inputs["attention_mask"] = packed.attention_mask
+        shared = packed.shared_tokens
+    else:
+        cols = torch.arange(n, device=batch.input_ids.device)
+        flat = r * n + c
+        inputs = {"input_ids": batch.input_ids[idx, :n],
+                  "attention_mask": (cols[None, :] < batch.lengths[idx][:, None]).long()}
+    with autocast(backend.device, cfg.actor.mixed_precision):
+        if cfg.packing and _accepts_logits_to_keep(module):
+            # Packed: one row, so the kept positions are exactly the ones we need. A view
+            # (`[0]` would cost a zero-filled [T, V] gradient and a copy in the backward).
+            logits = module(**inputs, use_cache=False, logits_to_keep=flat).logits.squeeze(0)
+        else:
+            logits = module(**inputs, use_cache=False).logits
+            logits = logits.reshape(-1, logits.shape[-1])[flat]
+    # In float32 (bf16 logits are upcast); the logits are not used again.
+    got, ent_t = backend.token_logprobs(logits, targets, cfg.rollout.temperature, entropy=entropy)
+    del logits
+    logp = batch.mask.new_zeros(len(idx), n - 1)
+    logp[r, c] = got
+    if ent_t is None:
+        return logp, None, shared
+    ent = batch.mask.new_zeros(len(idx), n - 1)
+    ent[r, c] = ent_t if cfg.algo.entropy_coef > 0 else ent_t.detach()
+    return logp, ent, shared
+
+
+def _masks(module: nn.Module) -> bool:
+    """Prefix sharing needs a custom attention mask: sdpa and eager take one, flash
+    attention's varlen kernels do not."""
+    impl = getattr(getattr(_unwrapped(module), "config", None), "_attn_implementation", None)
+    return impl in ("sdpa", "eager")
+
+
+def _accepts_logits_to_keep(module: nn.Module) -> bool:
+    """transformers causal LMs compute logits only at `logits_to_keep` positions (any logit
+    soft-capping included); FSDP wrappers keep the signature, DeepSpeed's engine passes it on."""
+    try:
+        return "logits_to_keep" in inspect.signature(_unwrapped(module).forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The module inside a DeepSpeed engine (which has its own forward signature and config)."""
+    deepspeed = sys.modules.get("deepspeed")
+    if deepspeed is not None and isinstance(module, deepspeed.DeepSpeedEngine):
+        return module.module
+    return module
