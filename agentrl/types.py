@@ -199,6 +199,10 @@ class Trajectory:
     """Prompt identity: trajectories of the same group share a baseline (GRPO, RLOO)."""
     uid: str = field(default_factory=lambda: uuid.uuid4().hex)
     info: dict = field(default_factory=dict)
+    discard: bool = False
+    """The episode says nothing about the policy (its environment or sandbox failed): it is
+    counted, kept on disk, and never trained on or scored. An env sets it with
+    `info["discard"] = True`; an env that raises gets it too."""
 
     @property
     def rewards(self) -> list[float]:
@@ -256,6 +260,8 @@ class Trajectory:
             "images": [im.to_dict() for im in self.images],
             "info": _jsonable(self.info),
         }
+        if self.discard:
+            d["discard"] = True
         return d
 
     @classmethod
@@ -274,6 +280,7 @@ class Trajectory:
             group=d.get("group"),
             uid=d.get("uid") or uuid.uuid4().hex,
             info=dict(d.get("info", {})),
+            discard=bool(d.get("discard", False)),
         )
         traj.validate()
         return traj
@@ -335,7 +342,10 @@ class TrajectoryBuilder:
         self._obs_start = len(self.token_ids)
         return turn
 
-    def build(self, *, terminated: bool, truncated: bool, info: dict | None = None) -> Trajectory:
+    def build(
+        self, *, terminated: bool, truncated: bool, info: dict | None = None,
+        discard: bool = False,
+    ) -> Trajectory:
         traj = Trajectory(
             token_ids=list(self.token_ids),
             loss_mask=list(self.loss_mask),
@@ -346,6 +356,7 @@ class TrajectoryBuilder:
             images=list(self.images),
             group=self.group,
             info=dict(info or {}),
+            discard=discard,
         )
         traj.validate()
         return traj

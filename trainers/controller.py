@@ -72,9 +72,12 @@ class _Group:
 
         if method == "train":
             trajs, rest = args[0], args[1:]
-            k = len(trajs) // len(self.actors)
+            # Contiguous, sizes differing by at most one (after discards the batch need not
+            # divide evenly); losses use global counts, so the update is the same.
+            n, ranks = len(trajs), len(self.actors)
+            bounds = [n * i // ranks for i in range(ranks + 1)]
             futures = [
-                getattr(a, method).remote(trajs[i * k : (i + 1) * k], *rest)
+                getattr(a, method).remote(trajs[bounds[i] : bounds[i + 1]], *rest)
                 for i, a in enumerate(self.actors)
             ]
         else:
@@ -188,9 +191,14 @@ class Trainer:
 
     def _train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
-        trajs, t_rollout = self._next_batch()
-        if self.cfg.save_rollouts:
-            save_jsonl(trajs, self.run_dir / "rollouts" / f"step_{self.step + 1:06d}.jsonl")
+        sampled, t_rollout = self._next_batch()
+        if self.cfg.save_rollouts:  # discarded episodes too: nothing sampled is lost
+            save_jsonl(sampled, self.run_dir / "rollouts" / f"step_{self.step + 1:06d}.jsonl")
+        trajs = [t for t in sampled if not t.discard]
+        if len(trajs) < self.cfg.num_policy_workers:
+            return self._bad_step(TrainingError(
+                f"{len(sampled) - len(trajs)} of {len(sampled)} episodes were discarded (their "
+                f"environment or sandbox failed; see info in the step's rollouts file)"))
         scored = self._shape_rewards(trajs)
         try:
             metrics = self.policy.call("train", scored, self.kl_coef)  # type: ignore[union-attr]
@@ -213,7 +221,7 @@ class Trainer:
                 horizon=self.cfg.algo.kl_horizon,
                 n_steps=len(trajs),
             )
-        metrics.update(_rollout_metrics(trajs))
+        metrics.update(_rollout_metrics(trajs), discarded=float(len(sampled) - len(trajs)))
         versions = [v for t in trajs for v in t.policy_versions]
         # How many updates behind the policy the sampled tokens are (0 when on-policy).
         metrics["policy_lag"] = float(self.step - 1 - min(versions)) if versions else 0.0
@@ -230,9 +238,10 @@ class Trainer:
         if self.bad_steps > self.cfg.max_bad_steps:
             path = self.save()
             raise TrainingError(
-                f"{self.bad_steps} steps had a non-finite loss (limit --max_bad_steps "
-                f"{self.cfg.max_bad_steps}); stopped. Last checkpoint: {path}. Lower --actor.lr or "
-                f"check the rewards."
+                f"{self.bad_steps} steps were skipped (limit --max_bad_steps "
+                f"{self.cfg.max_bad_steps}); the last: {error}. Stopped. Last checkpoint: {path}. "
+                f"A non-finite loss: lower --actor.lr or check the rewards; discarded episodes: "
+                f"check the environment."
             ) from error
         return {"skipped": 1, "bad_steps": self.bad_steps}
 
@@ -262,11 +271,15 @@ class Trainer:
         return trajs, time.perf_counter() - t0
 
     def _filter(self, trajs: list[Trajectory]) -> list[Trajectory]:
-        """DAPO dynamic filtering: drop groups whose rewards carry no signal."""
+        """DAPO dynamic filtering: drop groups whose rewards carry no signal (and discarded
+        episodes, whose rewards mean nothing)."""
         import torch
 
         from agentrl.algorithms import dynamic_filter
 
+        trajs = [t for t in trajs if not t.discard]
+        if not trajs:
+            return []
         groups = {g: i for i, g in enumerate(dict.fromkeys(t.group for t in trajs))}
         keep = dynamic_filter(
             torch.tensor([t.total_reward for t in trajs]),

@@ -206,15 +206,16 @@ async def _episode(
                 truncated, info["truncated_by"] = True, "max_episode_tokens"
                 break
             context, images = _observe(builder, obs, context, images)
-    except Exception as e:  # an env failure ends this episode only
+    except Exception as e:  # an env failure ends this episode only, and it is not trained on
         if isinstance(e, GenerationError):
             raise
-        truncated, info["error"] = True, repr(e)
+        truncated, info["error"], info["discard"] = True, repr(e), True
     finally:
         if env is not None:
             await call(env.close)
     info.update(prompt_index=ep.prompt_index, sample_index=ep.sample_index, seed=ep.seed)
-    return builder.build(terminated=bool(terminated), truncated=bool(truncated), info=info)
+    return builder.build(terminated=bool(terminated), truncated=bool(truncated), info=info,
+                         discard=bool(info.get("discard", False)))
 
 
 def _observe(

@@ -10,8 +10,9 @@ Trained on Code", eq. 1): 1 - C(n-c, k) / C(n, k), averaged over problems.
 
 A trajectory is solved if `info["correct"]` is True, or, for envs that do not set that key,
 if its total reward is >= 1 (so shaping bonuses cannot pass for solves in the math envs).
-Trajectories with `info["sandbox_error"]` are infrastructure failures: they are excluded
-from the estimates and counted separately; a problem left with no samples is dropped.
+Discarded trajectories (`Trajectory.discard`: the env or its sandbox failed, e.g. math-tir's
+`sandbox_error`) are infrastructure failures: they are excluded from the estimates and counted
+separately; a problem left with no samples is dropped.
 
 `evaluate(...)` is the reusable part (the trainer calls it for its before/after evals).
 """
@@ -70,18 +71,19 @@ class EvalResult:
     num_problems: int
     """Problems in the estimates (those with at least one scorable sample)."""
     num_samples: int
-    """Scorable trajectories (sandbox errors excluded)."""
-    num_sandbox_errors: int
+    """Scorable trajectories (discarded ones excluded)."""
+    num_discarded: int
+    """Trajectories marked `discard` (env or sandbox failures), excluded."""
     num_env_errors: int
-    """Episodes whose env raised (scored as unsolved; see `info["error"]`)."""
+    """Scored episodes with `info["error"]` (scored as unsolved)."""
     trajectories: list[Trajectory] = field(repr=False)
     per_problem: list[tuple[int, int]] = field(repr=False)
     """(samples, solved) per problem in the estimates."""
 
     def summary(self) -> str:
         extra = ""
-        if self.num_sandbox_errors:
-            extra += f", {self.num_sandbox_errors} sandbox errors excluded"
+        if self.num_discarded:
+            extra += f", {self.num_discarded} discarded (env or sandbox failures) excluded"
         if self.num_env_errors:
             extra += f", {self.num_env_errors} env errors"
         return (
@@ -93,18 +95,18 @@ class EvalResult:
 def score(trajectories: Sequence[Trajectory], k: int) -> EvalResult:
     """Group trajectories by `info["prompt_index"]` and compute pass@1 and pass@k."""
     groups: dict[int, list[bool]] = {}
-    sandbox_errors = env_errors = 0
+    discarded = env_errors = 0
     for traj in trajectories:
         index = int(traj.info.get("prompt_index", len(groups)))
-        if traj.info.get("sandbox_error"):
-            sandbox_errors += 1
+        if traj.discard:
+            discarded += 1
             groups.setdefault(index, [])
             continue
         env_errors += "error" in traj.info
         groups.setdefault(index, []).append(is_solved(traj))
     per_problem = [(len(v), sum(v)) for _, v in sorted(groups.items()) if v]
     p1 = [c / n for n, c in per_problem]
-    # A problem that lost samples to sandbox errors and has fewer than k left: pass@n.
+    # A problem that lost samples to discards and has fewer than k left: pass@n.
     pk = [pass_at_k(n, c, min(k, n)) for n, c in per_problem]
     return EvalResult(
         pass_at_1=sum(p1) / len(p1) if p1 else 0.0,
@@ -112,7 +114,7 @@ def score(trajectories: Sequence[Trajectory], k: int) -> EvalResult:
         k=k,
         num_problems=len(per_problem),
         num_samples=sum(n for n, _ in per_problem),
-        num_sandbox_errors=sandbox_errors,
+        num_discarded=discarded,
         num_env_errors=env_errors,
         trajectories=list(trajectories),
         per_problem=per_problem,

@@ -17,7 +17,7 @@ info (every step; the last one ends up in `Trajectory.info`):
 - `problem_index`, `problem_id`, `source`, `split`: which problem this episode was.
 - `num_calls`, `call_statuses`: code executions so far and their sandbox statuses.
 - `sandbox_error` (bool): the sandbox itself failed. The episode ends (truncated, reward 0)
-  and must be DROPPED by trainers and evaluators, never counted as a wrong answer.
+  with `discard` set, so trainers and evaluators drop it instead of counting a wrong answer.
 - `truncated_by`: "max_turns" | "sandbox_error" when the env ended the episode early.
 """
 
@@ -283,7 +283,8 @@ class MathTIREnv(_MathEnvBase):
                 if result.status == "sandbox_error":
                     # Infrastructure failed, not the policy: end unscored, flagged for dropping.
                     logger.warning("sandbox_error in math-tir episode: %s", result.stderr[-500:])
-                    info.update(self._info(), sandbox_error=True, truncated_by="sandbox_error")
+                    info.update(self._info(), sandbox_error=True, truncated_by="sandbox_error",
+                                discard=True)
                     self._close_session()
                     return [], 0.0, False, True, info
                 reward += self.call_reward if result.status == "ok" else 0.0

@@ -36,29 +36,29 @@ def test_pass_at_k_rejects_k_above_n():
         pass_at_k(2, 1, 3)
 
 
-def _traj(prompt_index: int, reward: float, **info) -> Trajectory:
+def _traj(prompt_index: int, reward: float, discard: bool = False, **info) -> Trajectory:
     return Trajectory(token_ids=[1, 2], loss_mask=[0, 1], logprobs=[0.0, 0.0],
                       turns=[Turn(obs_start=0, start=1, end=2, reward=reward)],
-                      info={"prompt_index": prompt_index, **info})
+                      info={"prompt_index": prompt_index, **info}, discard=discard)
 
 
 def test_score_rules():
     trajs = [
         _traj(0, 1.0, correct=True), _traj(0, 0.0, correct=False),
         _traj(0, 1.1, correct=False),  # shaping bonus without a correct answer: not solved
-        _traj(1, 0.0, correct=False, sandbox_error=True), _traj(1, 1.0, correct=True),
-        _traj(2, 0.0, sandbox_error=True, correct=False),  # only sandbox errors: dropped
+        _traj(1, 0.0, True, correct=False), _traj(1, 1.0, correct=True),
+        _traj(2, 1.0, True, correct=True),  # only discarded samples: dropped
         _traj(3, 1.0), _traj(3, 0.2),  # no "correct" key: reward >= 1 counts
         _traj(4, 0.0, error="RuntimeError()"),
     ]
     result = score(trajs, k=2)
     assert result.num_problems == 4 and result.num_samples == 7
-    assert result.num_sandbox_errors == 2 and result.num_env_errors == 1
+    assert result.num_discarded == 2 and result.num_env_errors == 1
     assert result.per_problem == [(3, 1), (1, 1), (2, 1), (1, 0)]
     assert result.pass_at_1 == pytest.approx((1 / 3 + 1 + 1 / 2 + 0) / 4)
     # problem 1 has one sample left (< k): it contributes pass@1
     assert result.pass_at_k == pytest.approx((pass_at_k(3, 1, 2) + 1 + 1 + 0) / 4)
-    assert "2 sandbox errors excluded" in result.summary()
+    assert "2 discarded (env or sandbox failures) excluded" in result.summary()
 
 
 class ScriptedEngine:
@@ -116,7 +116,7 @@ def test_evaluate_end_to_end_with_scripted_engine(tiny_tokenizer, sandbox):
     assert result.per_problem == expected
     assert result.pass_at_1 == pytest.approx(sum(c / n for _, c in expected) / num)
     assert result.pass_at_k == pytest.approx(sum(pass_at_k(n, c, k) for _, c in expected) / num)
-    assert result.num_sandbox_errors == 0 and len(result.trajectories) == n * num
+    assert result.num_discarded == 0 and len(result.trajectories) == n * num
     traj = result.trajectories[0]
     assert traj.group == "eval-0" and traj.info["num_calls"] == 1 and len(traj.turns) == 2
 

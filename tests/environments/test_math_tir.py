@@ -173,7 +173,7 @@ def test_sandbox_error_is_flagged_not_scored(tiny_tokenizer, broken_sandbox):
     _obs, r, term, trunc, info = act(env, code("print(1)"))
     assert (r, term, trunc) == (0.0, False, True)
     assert info["sandbox_error"] is True and info["truncated_by"] == "sandbox_error"
-    assert info["correct"] is False
+    assert info["correct"] is False and info["discard"] is True
     assert broken_sandbox.sessions[0].closed
 
 

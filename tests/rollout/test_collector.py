@@ -112,8 +112,10 @@ async def test_raising_step_recorded_without_losing_others(engine, tiny_tokenize
         if i % 2:
             assert "grader crashed" in t.info["error"] and t.truncated and not t.terminated
             assert len(t.turns) == 2 and t.rewards == [0.5, 0.0]
+            assert t.discard  # the env failed, not the policy: never trained on
         else:
             assert "error" not in t.info and t.terminated and t.rewards == [0.5, 0.5]
+            assert not t.discard
         t.validate()
 
 
