@@ -139,3 +139,26 @@ def test_two_ranks_match_one_process(ray_cluster, make_cfg, recorded_rollouts, t
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).state_dict()
     for k in want:
         assert torch.equal(exported[k], first["model"][k]), k
+
+
+def test_cpu_actors_split_the_cluster_and_get_its_threads(ray_cluster, make_cfg):
+    """Each CPU actor asks for its share of the cluster's CPUs; Ray sets an actor's torch
+    threads from what it asked for (an actor that asked for none computes on one thread)."""
+    import ray
+
+    from trainers.ray_utils import actor_options
+
+    colocated, _ = actor_options(make_cfg(use_ray=True), rollout=False)
+    assert colocated == [{"num_cpus": 2}]
+    ranks, rollout = actor_options(make_cfg(use_ray=True, num_policy_workers=2, backend="fsdp2",
+                                            rollout={"mode": "placed"}), rollout=True)
+    assert [r["num_cpus"] for r in ranks] == [pytest.approx(2 / 3)] * 2
+    assert rollout["num_cpus"] == pytest.approx(2 / 3)
+
+    @ray.remote
+    def threads() -> int:
+        import torch
+
+        return torch.get_num_threads()
+
+    assert ray.get(threads.options(**colocated[0]).remote()) == 2
