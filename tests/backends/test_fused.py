@@ -36,8 +36,8 @@ def _unfused(model):
 
 @pytest.mark.parametrize(("rows", "width"), [(1, 16), (7, 100), (333, 64), (1000, 48)])
 def test_rms_norm_matches_autograd(rows, width):
-    # Widths off the 16-lane vectors reach the scalar tails; 1000 rows span several chunks of
-    # the per-thread weight gradient.
+    # Widths off the vector width (4, 8 or 16 lanes) reach the scalar tails; 1000 rows span
+    # several chunks of the per-thread weight gradient.
     g = torch.Generator().manual_seed(rows + width)
     norm = LlamaRMSNorm(width, eps=1e-6)
     with torch.no_grad():
@@ -165,7 +165,7 @@ def _logits(rows, vocab, seed, scale=3.0):
 @pytest.mark.parametrize(("rows", "vocab"), [(1, 5), (37, 1003), (64, 4096)])
 @pytest.mark.parametrize("grads", ["both", "logp", "entropy"])
 def test_logprobs_and_entropy_match_the_algorithms_function(temperature, rows, vocab, grads):
-    # Vocabularies off the 16-lane vectors reach the scalar tails of each row.
+    # Vocabularies off the vector width (4, 8 or 16 lanes) reach the scalar tails of each row.
     from agentrl.algorithms import logprobs_and_entropy_from_logits
 
     z, labels, g, h = _logits(rows, vocab, rows + vocab)
@@ -196,7 +196,7 @@ def test_logprobs_and_entropy_at_extreme_and_nan_logits():
 
     z = torch.linspace(-1000, 1000, 3 * 50).reshape(3, 50)
     z[2, 7] = float("nan")
-    z[1, 20:40] = float("-inf")  # 20 columns: one whole 16-lane vector, and scalar tails
+    z[1, 20:40] = float("-inf")  # 20 columns: whole vectors of 4, 8 or 16 lanes, and tails
     # torch's forward gives the entropy -(logp * p).sum() = NaN there (-inf * 0); the entropy
     # without those columns is what it means.
     finite = torch.cat([z[1, :20], z[1, 40:]])

@@ -65,6 +65,23 @@ def test_each_row_does_not_depend_on_the_batch(module):
         assert torch.equal(kernels.linear(x[: i + 1], w), full[: i + 1])
 
 
+@pytest.mark.parametrize("in_features", [1, 3, 4, 7, 8, 12, 16, 17, 24, 31, 33, 40, 47])
+def test_every_tile_and_tail_shape_of_the_row_gemm(module, in_features):
+    # The tile depends on the CPU (8 rows x 4 weight rows with AVX-512, 4 x 3 elsewhere) and so
+    # does the vector (16, 8 or 4 lanes): these widths leave every remainder of each vector,
+    # 1-12 rows every remainder of each row block, and 389 weight rows (split across threads in
+    # chunks of 64) every remainder of each weight block.
+    g = torch.Generator().manual_seed(in_features)
+    w = torch.randn(389, in_features, generator=g)
+    x = torch.randn(kernels.MAX_ROWS, in_features, generator=g)
+    exact = x.double() @ w.double().T
+    bound = in_features * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
+    singles = torch.stack([module.row_gemm(x[i : i + 1], w)[0] for i in range(len(x))])
+    assert bool(((singles.double() - exact).abs() <= bound + 2.0**-24 * exact.abs()).all())
+    for rows in range(1, len(x) + 1):
+        assert torch.equal(module.row_gemm(x[:rows], w), singles[:rows]), rows
+
+
 def test_calls_it_does_not_take_are_f_linear(module):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(600, 256, generator=g)

@@ -1,13 +1,14 @@
-// CPU kernels for decode steps of a few rows (float32): agentrl/engine/kernels.py says when they
-// are used and why, agentrl/engine/llama.py calls them.
+// CPU kernels for decode steps of a few rows (float32): agentrl/backends/cpu/kernels.py says when
+// they are used and why, agentrl/backends/cpu/decode.py calls them.
 //
 // row_gemm: out[m, n] = sum_k x[m, k] * w[n, k]. At 1-16 rows a decode step's projections are
 // bound by reading the weights from memory, not by arithmetic. A general GEMM packs panels of
 // the weight matrix for every call, and at these shapes the packing and its cache misses cost
-// more than the arithmetic. Here each group of four weight rows is read once, straight from the
-// model's own tensor, while the rows a few tiles ahead are prefetched, and multiplied into
-// every input row (the inputs, at most 16 x K floats, stay in the L1/L2 cache). Each output is
-// the sum of one row of x and one row of w in a fixed order, independent of the other rows.
+// more than the arithmetic. Here each group of a few weight rows (kTileCols) is read once,
+// straight from the model's own tensor, while the rows a few tiles ahead are prefetched, and
+// multiplied into every input row (the inputs, at most 16 x K floats, stay in the L1/L2 cache).
+// Each output is the sum of one row of x and one row of w in a fixed order, independent of the
+// other rows.
 //
 // decode_layer: one Llama decoder layer for one new token per row, in one call: RMS norms,
 // projections, rotary embedding, the KV-cache write, attention over the cached columns, SiLU
@@ -30,6 +31,19 @@ using namespace agentrl;
 
 // Weight rows prefetched ahead of the ones being multiplied.
 constexpr int kPrefetchRows = 8;
+
+// The tile of the row GEMM: kTileRows rows of x against kTileCols weight rows. Its
+// kTileRows * kTileCols accumulators, kTileCols weight vectors and an x vector should fit the
+// vector registers, or the accumulators go through the stack on every step of the sum. With
+// AVX2 (16 ymm) and elsewhere (16 xmm, 32 NEON q) that is 4 x 3: 12 + 3 + 1, and GCC 12 keeps
+// them all in registers. With AVX-512 the 8 x 4 tile tuned on a Xeon stays: 32 + 4 + 1 is more
+// than its 32 zmm and GCC keeps 4 accumulators on the stack, but 8 x 3 or 6 x 4 (which fit)
+// have not been measured there.
+#if defined(__AVX512F__)
+constexpr int kTileRows = 8, kTileCols = 4;
+#else
+constexpr int kTileRows = 4, kTileCols = 3;
+#endif
 
 // ------------------------------------------------------------------------------- row GEMM
 
@@ -60,13 +74,20 @@ inline void tile(const float* x, const float* w, float* out, int64_t K, int64_t 
   }
 }
 
-// All M rows of x against weight rows n .. n + NR - 1 (those stay in L1 across the row blocks).
+// All M rows of x against weight rows n .. n + NR - 1 (those stay in L1 across the row blocks):
+// blocks of kTileRows rows, then one of 4 (AVX-512) or 2 rows, then single rows.
 template <int NR>
 inline void columns(const float* x, const float* w, float* out, int64_t M, int64_t K, int64_t N,
                     int64_t n, bool accumulate) {
   int64_t m = 0;
-  for (; m + 8 <= M; m += 8) tile<8, NR>(x + m * K, w, out + m * N, K, N, n, accumulate);
-  for (; m + 4 <= M; m += 4) tile<4, NR>(x + m * K, w, out + m * N, K, N, n, accumulate);
+  for (; m + kTileRows <= M; m += kTileRows)
+    tile<kTileRows, NR>(x + m * K, w, out + m * N, K, N, n, accumulate);
+  if constexpr (kTileRows > 4) {
+    for (; m + 4 <= M; m += 4) tile<4, NR>(x + m * K, w, out + m * N, K, N, n, accumulate);
+  }
+  if constexpr (kTileRows == 4) {
+    for (; m + 2 <= M; m += 2) tile<2, NR>(x + m * K, w, out + m * N, K, N, n, accumulate);
+  }
   for (; m < M; ++m) tile<1, NR>(x + m * K, w, out + m * N, K, N, n, accumulate);
 }
 
@@ -75,7 +96,9 @@ void gemm_rows(const float* x, const float* w, float* out, int64_t M, int64_t K,
                bool accumulate) {
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) columns<4>(x, w, out, M, K, N, n, accumulate);
+    for (; n + kTileCols <= n1; n += kTileCols) {
+      columns<kTileCols>(x, w, out, M, K, N, n, accumulate);
+    }
     for (; n + 2 <= n1; n += 2) columns<2>(x, w, out, M, K, N, n, accumulate);
     for (; n < n1; ++n) columns<1>(x, w, out, M, K, N, n, accumulate);
   });

@@ -1,5 +1,5 @@
-// CPU kernels for the training forward and backward (float32): trainers/fused.py says when they
-// are used and why.
+// CPU kernels for the training forward and backward (float32): agentrl/backends/cpu/fused.py
+// says when they are used and why.
 //
 // rms_norm_forward / rms_norm_backward: LlamaRMSNorm, y = w * (x * r) with
 // r = 1 / sqrt(mean(x^2) + eps) per row. Through autograd it is ~6 tensor operations forward and
