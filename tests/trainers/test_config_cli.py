@@ -163,5 +163,5 @@ def test_vllm_without_its_package_says_what_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "vllm" else find(name, *a))
     with pytest.raises(ValueError, match=r"--rollout.engine vllm: the vllm package is not "
-                                         r"installed; install it .* `make vllm`"):
+                                         r"installed; `make setup` installs"):
         build_config(["--env", "digits", "--rollout.engine", "vllm"])

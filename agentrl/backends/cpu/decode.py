@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 from transformers.activations import SiLUActivation
-from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
+from transformers.integrations import sdpa_attention as _sdpa
+from transformers.integrations.sdpa_attention import repeat_kv, use_gqa_in_sdpa
 from transformers.models.llama import modeling_llama as _llama
 
 from agentrl.backends.cpu import kernels
@@ -40,6 +41,11 @@ from agentrl.engine.kv import BufferLayer
 
 if TYPE_CHECKING:
     from transformers.cache_utils import Cache
+
+_PACKS_GQA = hasattr(_sdpa, "pack_gqa")
+"""Whether the installed transformers' SDPA attention groups a single query's heads over the
+KV heads (`pack_gqa`, newer releases) or repeats the KV heads; the lean step does the same, so
+it stays bit-identical to the forward of the transformers at hand."""
 
 SILU_CLASSES = (SiLUActivation, nn.SiLU)
 """Activation modules computing exactly `F.silu` (also used by trainers/fused.py)."""
@@ -143,8 +149,11 @@ def decode_logits(
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=w.scaling)
         elif use_gqa_in_sdpa(mask, k, v):
             o = F.scaled_dot_product_attention(q, k, v, scale=w.scaling, enable_gqa=True)
-        else:
+        elif _PACKS_GQA:  # one query per row: the query heads grouped over the KV heads
             q = q.reshape(rows, n_kv, groups, head_dim)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=w.scaling)
+        else:  # transformers before `pack_gqa` (5.19, vLLM 0.32's pin): KV heads repeated
+            k, v = repeat_kv(k, groups), repeat_kv(v, groups)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=w.scaling)
         x = x + F.linear(o.reshape(rows, n_heads * head_dim), w.o, w.o_bias)
         h = _rms_norm(x, w.norm_post, w.eps_post)
