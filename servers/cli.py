@@ -99,7 +99,12 @@ def main(argv: list[str] | None = None) -> int:
               f"  per-session base_url: {base}/sessions/<session-id>/v1\n"
               f"  trajectories: GET {base}/sessions/<session-id>", flush=True)
 
-    _run_with_announce(server, announce)
+    try:
+        _run_with_announce(server, announce)
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down gracefully, then re-raised it
+        print("agentrl serve: stopped", file=sys.stderr)
+    finally:
+        engine.close()  # vLLM's engine runs in processes of its own: stop them with the server
     return 0
 
 

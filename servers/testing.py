@@ -61,6 +61,7 @@ class FakeEngine:
         self.aborted = 0
         self.active = 0
         self.fail_with: Exception | None = None
+        self.closed = False
 
     @property
     def max_context(self) -> int:
@@ -117,6 +118,9 @@ class FakeEngine:
         finally:
             self.active -= 1
         return completions
+
+    def close(self) -> None:
+        self.closed = True
 
 
 class StreamingFakeEngine(FakeEngine):

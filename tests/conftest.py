@@ -44,3 +44,16 @@ def embedded_tokenizer():
     from agentrl.models import load_tokenizer
 
     return load_tokenizer("embedded")
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm_dir(tiny_tokenizer, tmp_path_factory):
+    """The tiny Llama with head size 32 (vLLM's CPU attention takes 32..512), saved with its
+    tokenizer: a directory `--actor.model` / `--model` can name for vLLM."""
+    from agentrl.models.tiny import tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-vllm-dir")
+    tiny_model(tiny_tokenizer, hidden_size=128, seed=3, max_position_embeddings=1024)\
+        .save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return str(path)

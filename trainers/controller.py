@@ -186,8 +186,18 @@ class Trainer:
             summary["hf_model"] = str(hf_dir)
         finally:
             log.close()
+            self.close()
         summary["steps"] = self.step
         return summary
+
+    def close(self) -> None:
+        """Stop the workers' engines (a vLLM engine runs in processes of its own); the workers
+        stay usable for `save`/`load` but sample no more."""
+        for handle in {id(h): h for h in (self.policy, self.rollout) if h is not None}.values():
+            try:
+                handle.call("close")
+            except Exception as e:  # noqa: BLE001 (the run stands; say what did not stop)
+                logger.warning("could not stop a worker's engine: %s", e)
 
     def _train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()

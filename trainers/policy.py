@@ -275,6 +275,12 @@ class PolicyWorker:
             self.model.save_pretrained(path, state_dict=weights)
             self.tokenizer.save_pretrained(path)
 
+    def close(self) -> None:
+        """Stop the engine (vLLM's engine process with it) before the actor goes away."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
 
 def _backend(
     name: str, dist: DistSpec, model: nn.Module, optim: OptimizerSpec | None,

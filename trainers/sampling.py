@@ -203,3 +203,7 @@ class RolloutWorker:
         if self.model is None:
             raise ValueError("the vllm engine keeps its weights in its own processes")
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def close(self) -> None:
+        """Stop the engine (vLLM's engine process with it) before the actor goes away."""
+        self.engine.close()

@@ -69,3 +69,8 @@ class Engine(Protocol):
     def wake(self) -> None:
         """Restore what `sleep` freed."""
         ...
+
+    def close(self) -> None:
+        """Stop for good: free the model's memory and end the engine's threads and processes
+        (vLLM's engine runs in processes of its own). Calling it twice is harmless."""
+        ...

@@ -15,23 +15,11 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_tokenizer, tmp_path_factory):
-    """The tiny Llama with head size 32 (vLLM's CPU attention takes 32..512), saved."""
-    from agentrl.models.tiny import tiny_model
-
-    path = tmp_path_factory.mktemp("tiny-vllm-train")
-    tiny_model(tiny_tokenizer, hidden_size=128, seed=3, max_position_embeddings=1024)\
-        .save_pretrained(path)
-    tiny_tokenizer.save_pretrained(path)
-    return str(path)
-
-
-def test_vllm_samples_with_the_trained_weights(make_cfg, model_dir):
+def test_vllm_samples_with_the_trained_weights(make_cfg, tiny_vllm_dir):
     from trainers.batch import collate
     from trainers.policy import PolicyWorker
 
-    cfg = make_cfg(actor={"model": model_dir, "lr": 1e-2},
+    cfg = make_cfg(actor={"model": tiny_vllm_dir, "lr": 1e-2},
                    rollout={"engine": "vllm", "prompts_per_step": 4}, micro_batch_size=16)
     worker = PolicyWorker(cfg, with_engine=True)
     try:
@@ -57,3 +45,31 @@ def test_vllm_samples_with_the_trained_weights(make_cfg, model_dir):
         assert max_diff() > 1e-3
     finally:
         worker.engine.close()
+
+
+def test_agentrl_train_with_vllm_learns(tiny_vllm_dir, tmp_path):
+    """`agentrl train --env digits --rollout.engine vllm`, as a user runs it (Ray, colocated):
+    the reward rises, and the run stops vLLM's engine process when it ends."""
+    import json
+
+    from agentrl.cli import main
+
+    before = _engine_processes()
+    run_dir = tmp_path / "run"
+    rc = main(["train", "--env", "digits", "--rollout.engine", "vllm", "--actor.model", tiny_vllm_dir,
+               "--steps", "16", "--run_dir", str(run_dir), "--progress", "false",
+               "--tensorboard", "false"])
+    assert rc == 0
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward"] for r in rows if "reward" in r]
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert len(rewards) == 16 and last > first + 0.2, f"reward {first:.3f} -> {last:.3f}"
+    assert (run_dir / "hf" / "config.json").exists()
+    assert _engine_processes() <= before
+
+
+def _engine_processes() -> set[int]:
+    """pids of vLLM engine-core processes on this machine (named by vLLM's setproctitle)."""
+    import psutil
+
+    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "VLLM::EngineCore"}
