@@ -1,6 +1,7 @@
-"""The fused training kernels (trainers/fused.py, agentrl/engine/csrc/cpu_train.cpp) against
-autograd on the modules they replace: values and gradients equal up to float32 round-off,
-routed only where the arithmetic is the Llama one, and the module's own forward elsewhere."""
+"""The fused training kernels (agentrl/backends/cpu/fused.py, csrc/cpu_train.cpp) against
+autograd on the modules they replace: values and gradients equal up to float32 round-off, the
+stand-in modules swapped in only where the arithmetic is the Llama one (the stock modules
+elsewhere), with the model's state_dict unchanged and the lean decode step still applying."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from agentrl.backends.cpu import calibrate, fused, kernels
 
@@ -27,11 +28,8 @@ def module():
     return mod
 
 
-def _unfused(model):
-    plain = copy.deepcopy(model)
-    for m in plain.modules():
-        vars(m).pop("forward", None)
-    return plain
+def _fused_modules(model):
+    return [m for m in model.modules() if isinstance(m, (fused.FusedRMSNorm, fused.FusedSwiGLUMLP))]
 
 
 @pytest.mark.parametrize(("rows", "width"), [(1, 16), (7, 100), (333, 64), (1000, 48)])
@@ -50,7 +48,7 @@ def test_rms_norm_matches_autograd(rows, width):
     x_ref = x.detach().clone().requires_grad_()
     want = ref(x_ref)
     want.backward(dy)
-    got = fused._RMSNorm.apply(x, norm.weight, 1e-6)
+    got = fused.rms_norm(x, norm.weight, 1e-6)
     got.backward(dy)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # The input gradient cancels terms in some elements, where two float32 computations can
@@ -74,7 +72,7 @@ def test_swiglu_matches_autograd(size):
     g_ref, u_ref = gate.detach().clone().requires_grad_(), up.detach().clone().requires_grad_()
     want = F.silu(g_ref) * u_ref
     want.backward(dy)
-    got = fused._SwiGLU.apply(gate, up)
+    got = fused.swiglu(gate, up)
     got.backward(dy)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gate.grad, g_ref.grad, rtol=1e-5, atol=1e-6)
@@ -101,9 +99,9 @@ def test_a_model_trains_the_same_through_the_fused_kernels():
     for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
         scale = float(q.grad.abs().max()) + 1e-12
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
-    # The kernels ran: a plain copy (instance forwards dropped) is not bit-identical.
+    # The kernels ran: the stock modules' forward is not bit-identical.
     with torch.no_grad():
-        assert not torch.equal(model(input_ids=ids).logits, _unfused(model)(input_ids=ids).logits)
+        assert not torch.equal(model(input_ids=ids).logits, plain(input_ids=ids).logits)
 
 
 def test_other_dtypes_and_modules_keep_their_own_forward():
@@ -126,8 +124,9 @@ def test_other_dtypes_and_modules_keep_their_own_forward():
         layer.mlp.act_fn = torch.nn.GELU()
     routed = fused.use_fused_kernels(gelu)
     assert routed == 2 * gelu.config.num_hidden_layers  # only the layers' own norms
-    assert "forward" not in vars(gelu.model.norm)
-    assert all("forward" not in vars(layer.mlp) for layer in gelu.model.layers)
+    assert type(gelu.model.norm) is OnePlusRMSNorm
+    assert all(type(layer.mlp) is LlamaMLP for layer in gelu.model.layers)
+    assert all(type(layer.input_layernorm) is fused.FusedRMSNorm for layer in gelu.model.layers)
 
 
 def test_nothing_is_routed_without_the_kernels(monkeypatch):
@@ -136,7 +135,7 @@ def test_nothing_is_routed_without_the_kernels(monkeypatch):
     monkeypatch.setattr(kernels, "module", lambda: None)
     model = load_model("tiny")
     assert fused.use_fused_kernels(model) == 0
-    assert all("forward" not in vars(m) for m in model.modules())
+    assert not _fused_modules(model)
 
 
 @pytest.mark.parametrize("measured_faster", [True, False])
@@ -151,7 +150,96 @@ def test_the_cpu_backend_routes_them_only_where_measured_faster(
     assert worker.ref is not None and worker.critic is not None
     for backend in (worker.policy, worker.ref, worker.critic):
         norm = backend.module.get_decoder().norm
-        assert ("forward" in vars(norm)) == measured_faster
+        assert isinstance(norm, fused.FusedRMSNorm) == measured_faster
+
+
+def test_the_swaps_leave_the_state_dict_and_weights_as_they_were(monkeypatch):
+    """The cpu backend's stand-ins (fused norms and MLPs, the tied embedding) hold the model's
+    own tensors under the same names: state_dict keys, order, values and storage, parameter
+    (and so optimizer-state) order, full_weights (engine sync, export) and the tie unchanged."""
+    from agentrl.backends import OptimizerSpec, create_backend
+    from agentrl.backends.cpu.grads import RowsInPlaceEmbedding
+    from agentrl.models import load_model
+
+    monkeypatch.setenv(kernels.ENV, "1")
+    model = load_model("tiny").train()
+    stock = copy.deepcopy(model)
+    want = model.state_dict()
+    storage = {k: v.data_ptr() for k, v in want.items()}
+    names = [n for n, _ in model.named_parameters()]
+    cpu, local = create_backend("cpu"), create_backend("local")
+    cpu.setup(model, OptimizerSpec(lr=1e-3), torch.device("cpu"))
+    local.setup(stock, OptimizerSpec(lr=1e-3), torch.device("cpu"))
+    layers = model.config.num_hidden_layers
+    assert len(_fused_modules(model)) == 3 * layers + 1
+    assert isinstance(model.get_input_embeddings(), RowsInPlaceEmbedding)
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+
+    got = model.state_dict()
+    assert list(got) == list(want)
+    assert all(torch.equal(got[k], want[k]) and got[k].data_ptr() == storage[k] for k in want)
+    assert [n for n, _ in model.named_parameters()] == names
+    params = cpu.optimizer.param_groups[0]["params"]
+    assert [p.shape for p in params] == [p.shape for p in local.optimizer.param_groups[0]["params"]]
+    full, ref = list(cpu.full_weights()), list(local.full_weights())
+    assert [n for n, _ in full] == [n for n, _ in ref]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(full, ref, strict=True))
+    # A checkpoint of either loads strictly into the other.
+    fresh = load_model("tiny")
+    fresh.load_state_dict(cpu.state_dict()["model"])
+    cpu.load_state_dict(local.state_dict())
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+
+
+async def test_the_lean_decode_step_reads_the_stand_ins(tiny_tokenizer, prompts, monkeypatch):
+    """After the cpu backend's swaps the engine still runs the lean decode step, and with the
+    kernels turned off afterwards the stand-ins compute exactly as the stock modules: the same
+    tokens and logprobs, bit for bit."""
+    from agentrl.backends import OptimizerSpec, create_backend
+    from agentrl.backends.cpu.decode import decode_logits
+    from agentrl.engine.hf import TransformersEngine
+    from agentrl.types import SamplingParams
+    from tests.engine._models import generate_together, sharp_tiny_model
+
+    monkeypatch.setenv(kernels.ENV, "1")
+    stock = sharp_tiny_model(tiny_tokenizer)
+    swapped = copy.deepcopy(stock)
+    create_backend("cpu").setup(swapped, OptimizerSpec(lr=1e-3), torch.device("cpu"))
+    assert _fused_modules(swapped)
+    monkeypatch.setenv(kernels.ENV, "0")
+    requests = [(p, SamplingParams(temperature=1.0, max_tokens=8, seed=3)) for p in prompts[:3]]
+    results = []
+    for model in (stock, swapped):
+        model.eval()
+        with TransformersEngine(
+            model, tiny_tokenizer, prefix_cache_bytes=0, decode_step=decode_logits
+        ) as engine:
+            results.append(await generate_together(engine, requests))
+            assert engine.counters["lean_decode_steps"] == engine.counters["decode_steps"] > 0
+    assert results[0] == results[1]
+
+
+def test_stand_ins_refuse_other_modules_and_take_over_hooks():
+    from agentrl.models import load_model
+
+    model = load_model("tiny")
+    with pytest.raises(TypeError, match="FusedSwiGLUMLP replaces a SiLU-gated"):
+        fused.FusedSwiGLUMLP.from_module(model.model.norm)
+    with pytest.raises(TypeError, match="FusedRMSNorm replaces a Llama-style RMSNorm"):
+        fused.FusedRMSNorm.from_module(model.model.layers[0].mlp)
+    # Hooks registered before the swap run on the stand-in, and their handles still remove them.
+    calls = []
+    handles = [
+        model.model.norm.register_forward_hook(lambda m, i, o: calls.append(type(m))),
+        model.model.layers[0].mlp.register_forward_pre_hook(lambda m, i: calls.append(type(m))),
+    ]
+    assert fused.use_fused_kernels(model) == 3 * model.config.num_hidden_layers + 1
+    model(input_ids=torch.arange(5)[None])
+    assert calls == [fused.FusedSwiGLUMLP, fused.FusedRMSNorm]
+    for handle in handles:
+        handle.remove()
+    model(input_ids=torch.arange(5)[None])
+    assert len(calls) == 2
 
 
 def _logits(rows, vocab, seed, scale=3.0):

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from agentrl.backends.cpu.grads import RowsInPlaceEmbedding
 from agentrl.backends.cpu.grads import clip_grad_norm as _clip_grad_norm
 from agentrl.backends.cpu.grads import tied_embedding_rows_in_place as _tied_embedding_rows_in_place
 
@@ -19,12 +20,13 @@ def test_embedding_rows_in_place_only_for_tied_weights(make_cfg):
     untied = load_model("tiny")
     untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
     assert not _tied_embedding_rows_in_place(untied)
-    assert "forward" not in vars(untied.get_input_embeddings())
+    assert type(untied.get_input_embeddings()) is torch.nn.Embedding
     worker = PolicyWorker(make_cfg(algo={"estimator": "gae"}), with_engine=False)
     assert worker.policy.embedding_rows_in_place
     # The critic is a copy of the backbone taken before: its embedding is left alone.
     assert worker.critic is not None
-    assert "forward" not in vars(worker.critic.module.backbone.embed_tokens)
+    assert type(worker.critic.module.backbone.embed_tokens) is torch.nn.Embedding
+    assert isinstance(worker.model.get_input_embeddings(), RowsInPlaceEmbedding)
 
 
 class _Tied(torch.nn.Module):
@@ -74,6 +76,26 @@ def test_embedding_rows_in_place_equal_autograd(padding_idx):
     twin.zero_grad(set_to_none=True)
     twin(ids[0]).sum().backward()
     assert torch.equal(fast.emb.weight.grad, before) and twin.emb.weight.grad is not None
+
+
+def test_embedding_rows_in_place_keep_the_module_its_name_and_hooks():
+    """The stand-in holds the very weight under the same key (state_dict unchanged, tie kept)
+    and runs the hooks registered on the embedding it replaced (transformers registers one for
+    gradient checkpointing), whose handles still remove them."""
+    model = _Tied(None)
+    want = model.state_dict(keep_vars=True)
+    calls = []
+    handle = model.emb.register_forward_hook(lambda m, i, o: calls.append(o.requires_grad))
+    assert _tied_embedding_rows_in_place(model)
+    assert isinstance(model.emb, RowsInPlaceEmbedding) and model.head.weight is model.emb.weight
+    got = model.state_dict(keep_vars=True)
+    assert list(got) == list(want) and all(got[k] is want[k] for k in want)
+    model(torch.tensor([[1, 2]])).sum().backward()
+    assert calls == [True]
+    handle.remove()
+    model(torch.tensor([[1, 2]]))
+    assert calls == [True]
+    assert _tied_embedding_rows_in_place(model)  # idempotent
 
 
 @pytest.mark.parametrize(

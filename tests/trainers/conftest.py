@@ -22,9 +22,30 @@ def make_cfg(tmp_path):
     return lambda **kw: tiny_cfg(tmp_path, **kw)
 
 
+@pytest.fixture(params=["kernels_on", "kernels_off"])
+def cpu_kernels(request, monkeypatch):
+    """Run the test twice: with agentrl's compiled CPU kernels forced on (every family: decode,
+    fused norm/gating, fused log-prob/entropy, whatever calibration chose for this CPU) and
+    forced off (`AGENTRL_CPU_KERNELS=1` / `0`). The value is True when on. The forced-on run
+    skips, with the reason, where the kernels cannot be built. For the tests that reach the
+    kernels' code paths; the rest run with the calibrated choice (or the one the environment
+    forces for the whole run), as does a test parametrised indirectly with "calibrated"."""
+    from agentrl.backends.cpu import kernels
+
+    if request.param == "calibrated":
+        return None
+    on = request.param == "kernels_on"
+    monkeypatch.setenv(kernels.ENV, "1" if on else "0")
+    if on and kernels.module() is None:
+        pytest.skip(f"agentrl's CPU kernels could not be built here: {kernels.build_error}")
+    return on
+
+
 @pytest.fixture(scope="session")
 def recorded_rollouts(tmp_path_factory):
-    """32 x 4 trajectories sampled once from the tiny model on Digits, saved as JSON lines."""
+    """32 x 4 trajectories sampled once from the tiny model on Digits, saved as JSON lines. Sampled
+    without the CPU kernels: the same data whichever test asks first, on every CPU."""
+    from agentrl.backends.cpu import kernels
     from agentrl.engine import create_engine
     from agentrl.models import load_model, load_tokenizer
     from agentrl.types import save_jsonl
@@ -32,12 +53,14 @@ def recorded_rollouts(tmp_path_factory):
 
     cfg = tiny_cfg(tmp_path_factory.mktemp("rec"))
     tok = load_tokenizer("tiny")
-    engine = create_engine(load_model("tiny"), tokenizer=tok)
     trajs = []
-    for step in range(4):
-        seeds = list(range(step * 8, step * 8 + 8))
-        trajs += collect_for_step(engine, cfg, tok, seeds, step)
-    engine.close()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(kernels.ENV, "0")
+        engine = create_engine(load_model("tiny"), tokenizer=tok)
+        for step in range(4):
+            seeds = list(range(step * 8, step * 8 + 8))
+            trajs += collect_for_step(engine, cfg, tok, seeds, step)
+        engine.close()
     path = tmp_path_factory.mktemp("rec") / "rollouts.jsonl"
     save_jsonl(trajs, path)
     return path

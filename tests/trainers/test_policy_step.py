@@ -1,13 +1,13 @@
 """The policy worker's one log-prob function against a plain forward: values and gradients, with
-the cpu backend's shortcuts (fused log-prob/entropy pass, embedding rows added in place)."""
+the cpu backend's shortcuts (fused log-prob/entropy pass, embedding rows added in place), with
+the CPU kernels forced on and forced off."""
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
 
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 LAYOUTS = {"packed": {"packing": True, "share_prefixes": False}, "padded": {"packing": False}}
 
@@ -20,6 +20,7 @@ def test_forward_values_and_gradients_match_a_plain_forward(
     """`_forward` (logits view, one log-softmax, custom backward, embedding rows added in place)
     against one plain forward per row with autograd's log-softmax, softmax entropy and
     embedding gradient."""
+    from agentrl.models import load_model
     from agentrl.types import load_jsonl
     from trainers.batch import collate
     from trainers.policy import PolicyWorker
@@ -29,9 +30,9 @@ def test_forward_values_and_gradients_match_a_plain_forward(
     )
     worker = PolicyWorker(cfg, with_engine=False)
     assert worker.policy.embedding_rows_in_place
-    plain = copy.deepcopy(worker.model)
-    for m in plain.modules():  # back to the modules' own forwards (embedding, fused kernels)
-        vars(m).pop("forward", None)
+    # The stock modules (the backend's stand-ins hold the same state_dict).
+    plain = load_model(cfg.actor.model, dtype=cfg.actor.dtype).train()
+    plain.load_state_dict(worker.model.state_dict())
     trajs = load_jsonl(recorded_rollouts)[:6]
     batch = collate(trajs, worker.pad_id)
     n = int(batch.lengths.max())

@@ -1,4 +1,6 @@
-"""The trainer end to end on the tiny model: learning, exact resume, bad steps, checkpoints."""
+"""The trainer end to end on the tiny model: learning, exact resume, bad steps, checkpoints. The
+tests that reach the CPU kernels' code paths run with them forced on and forced off
+(`cpu_kernels` in conftest.py)."""
 
 from __future__ import annotations
 
@@ -26,9 +28,18 @@ def _rewards(run_dir):
     return [r["reward"] for r in rows if "reward" in r]
 
 
+def _learning_cases():
+    """Every algorithm with the calibrated kernels; GRPO (the default) and PPO (critic and its
+    own backend) with the kernels forced on and off, rollouts included (decode kernels)."""
+    for name in ALGOS:
+        modes = ("kernels_on", "kernels_off") if name in ("grpo", "ppo") else ("calibrated",)
+        for mode in modes:
+            yield pytest.param(name, mode, id=f"{name}-{mode}" if mode != "calibrated" else name)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(ALGOS))
-def test_learning_raises_reward(name, make_cfg):
+@pytest.mark.parametrize(("name", "cpu_kernels"), _learning_cases(), indirect=["cpu_kernels"])
+def test_learning_raises_reward(name, cpu_kernels, make_cfg):
     cfg = make_cfg(algo=ALGOS[name], steps=25)
     summary = Trainer(cfg).run()
     rewards = _rewards(cfg_path := __import__("pathlib").Path(cfg.run_dir))
@@ -38,6 +49,7 @@ def test_learning_raises_reward(name, make_cfg):
     assert (cfg_path / "hf" / "config.json").exists()
 
 
+@pytest.mark.usefixtures("cpu_kernels")
 def test_one_step_changes_parameters_and_loss_is_finite(make_cfg, recorded_rollouts):
     from trainers.policy import PolicyWorker
 
@@ -52,6 +64,7 @@ def test_one_step_changes_parameters_and_loss_is_finite(make_cfg, recorded_rollo
     assert changed
 
 
+@pytest.mark.usefixtures("cpu_kernels")
 def test_micro_batching_does_not_change_the_update(make_cfg, recorded_rollouts):
     from agentrl.types import load_jsonl
     from trainers.policy import PolicyWorker
@@ -76,6 +89,7 @@ def test_micro_batching_does_not_change_the_update(make_cfg, recorded_rollouts):
         torch.testing.assert_close(grads[0][k], grads[1][k], rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.usefixtures("cpu_kernels")
 def test_resume_is_exact(make_cfg, recorded_rollouts, tmp_path):
     straight = make_cfg(replay=str(recorded_rollouts), steps=4, run_dir=str(tmp_path / "a"))
     Trainer(straight).run()
@@ -151,6 +165,7 @@ LAYOUTS = {  # how a micro-batch reaches the model
 }
 
 
+@pytest.mark.usefixtures("cpu_kernels")
 def test_packing_and_prefix_sharing_give_the_same_update_as_padding(make_cfg, recorded_rollouts):
     from agentrl.types import load_jsonl
     from trainers.policy import PolicyWorker
@@ -181,6 +196,7 @@ def test_packing_and_prefix_sharing_give_the_same_update_as_padding(make_cfg, re
             torch.testing.assert_close(grads[name][k], g, atol=1e-5 * scale, rtol=1e-3)
 
 
+@pytest.mark.usefixtures("cpu_kernels")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_forward_matches_a_plain_forward_at_policy_tokens(make_cfg, recorded_rollouts, layout):
     from agentrl.types import load_jsonl
@@ -205,6 +221,7 @@ def test_forward_matches_a_plain_forward_at_policy_tokens(make_cfg, recorded_rol
             torch.testing.assert_close(logp[b][sel], batch.rollout_logp[b][sel], atol=1e-4, rtol=0)
 
 
+@pytest.mark.usefixtures("cpu_kernels")
 def test_bf16_mixed_precision_computes_in_bf16_over_float32_weights(make_cfg, recorded_rollouts):
     from agentrl.types import load_jsonl
     from trainers.batch import collate
@@ -239,6 +256,7 @@ def test_bf16_mixed_precision_needs_float32_weights():
         ActorConfig(mixed_precision="bf16", dtype="bfloat16")
 
 
+@pytest.mark.usefixtures("cpu_kernels")
 def test_prefix_sharing_handles_identical_and_short_prefixes(make_cfg):
     """Identical samples (the whole row is the shared prefix), a group whose common prefix is
     too short to share, and a singleton: logprobs equal to one plain forward per row."""

@@ -1,11 +1,16 @@
 """The cpu backend: the local backend plus the speed-ups measured on CPUs (float32).
 
 - the fused RMSNorm / SiLU-gating kernels and the fused log-prob/entropy pass (`fused.py`),
-  each used only where `calibrate.choice()` measured it faster on this CPU;
+  each used only where `calibrate.choice()` measured it faster on this CPU (or as
+  `AGENTRL_CPU_KERNELS` forces);
 - the tied embedding's gradient rows added in place and the clipping norm from dot products
   (`grads.py`);
 - freed host memory kept in the heap between steps, and given back after a colocated engine
   freed a large KV cache (`host_memory.py`).
+
+The model's modules are replaced at `setup`, once and in place (`fused.use_fused_kernels`,
+`grads.tied_embedding_rows_in_place`), by stand-ins holding the same parameters under the same
+names: the state_dict, checkpoints and the weights synced to engines are the model's own.
 """
 
 from __future__ import annotations

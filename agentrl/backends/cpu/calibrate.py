@@ -7,7 +7,9 @@ at the sizes the trainer uses (SmolLM2-135M's widths), alternating and taking me
 second in all); it is used only where it is faster by `MARGIN`. The result is cached per CPU
 (model and flags), torch version and kernel source under ~/.cache/agentrl, and logged.
 
-`AGENTRL_CPU_KERNELS=0` turns every kernel off, `AGENTRL_CPU_KERNELS=1` on without measuring.
+`AGENTRL_CPU_KERNELS` overrides the measurement: `0` turns every family off, `1` every family on
+(where the kernels build) without measuring; unset (or empty) is the measured choice. It is read
+at each `choice()` call, so one process (the trainer tests) can run both ways.
 """
 
 from __future__ import annotations
@@ -44,28 +46,37 @@ class Choice:
     speedups: dict[str, float]
 
 
-_cached: Choice | None = None
+_cached: dict[str, Choice] = {}
+"""The choice for each value of AGENTRL_CPU_KERNELS seen ("" for unset)."""
 
 
 def choice() -> Choice:
-    """The kernels to use here (measured once per CPU, torch and kernel source; see above)."""
-    global _cached
-    if _cached is not None:
-        return _cached
-    forced = os.environ.get("AGENTRL_CPU_KERNELS")
+    """The kernels to use here: as `AGENTRL_CPU_KERNELS` forces them, else measured once per
+    CPU, torch and kernel source (see above)."""
+    forced = os.environ.get(kernels.ENV, "")
+    got = _cached.get(forced)
+    if got is None:
+        got = _cached[forced] = _choose(forced)
+    return got
+
+
+def _choose(forced: str) -> Choice:
+    if forced not in ("", "0", "1"):
+        raise ValueError(
+            f"{kernels.ENV}={forced!r}: expected 0 (no CPU kernels), 1 (every kernel family, "
+            "unmeasured) or unset (the families measured faster on this CPU)"
+        )
     mod = kernels.module()
-    if mod is None or forced is not None:
-        on = mod is not None and forced != "0"
-        _cached = Choice(decode=on, train=on, logprobs=on, speedups={})
-        return _cached
+    if mod is None or forced:
+        on = mod is not None and forced == "1"
+        return Choice(decode=on, train=on, logprobs=on, speedups={})
     path = _cache_path()
     key = kernels.source_key()
     stored = _read(path)
     if key in stored:
-        _cached = Choice(**stored[key])
-        return _cached
+        return Choice(**stored[key])
     speedups = measure(mod)
-    _cached = Choice(
+    got = Choice(
         decode=speedups["decode"] >= MARGIN,
         train=speedups["train"] >= MARGIN,
         logprobs=speedups["logprobs"] >= MARGIN,
@@ -75,11 +86,11 @@ def choice() -> Choice:
         "agentrl CPU kernels on %s (%s): torch/kernel time %s; using %s",
         kernels.cpu_model(), kernels.vector_flags(),
         {k: round(v, 2) for k, v in speedups.items()},
-        [k for k in ("decode", "train", "logprobs") if getattr(_cached, k)] or "none",
+        [k for k in ("decode", "train", "logprobs") if getattr(got, k)] or "none",
     )
-    stored[key] = asdict(_cached)
+    stored[key] = asdict(got)
     _write(path, stored)
-    return _cached
+    return got
 
 
 def measure(mod: object, rounds: int = 5) -> dict[str, float]:

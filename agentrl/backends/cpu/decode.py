@@ -302,7 +302,10 @@ class _Unsupported(Exception):
 
 def _child(parent: nn.Module, name: str, cls: type[nn.Module]) -> nn.Module:
     m = parent._modules.get(name)
-    if type(m) is not cls or _hooked(m):
+    # The cpu backend's training stand-ins (fused.FusedRMSNorm, fused.FusedSwiGLUMLP,
+    # grads.RowsInPlaceEmbedding) hold the replaced module's parameters under the same names
+    # and say which class they replace: the step reads them as that class's.
+    if m is None or (m.__dict__.get("replaces") or type(m)) is not cls or _hooked(m):
         raise _Unsupported
     return m
 

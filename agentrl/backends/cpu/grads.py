@@ -8,43 +8,82 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 
-def tied_embedding_rows_in_place(model: torch.nn.Module) -> bool:
-    """Add the input embedding's gradient rows in place into the weight's `.grad` if the weight
-    is shared with the lm_head, and say whether it is.
+def tied_embedding_rows_in_place(model: nn.Module) -> bool:
+    """Replace the model's input embedding by a `RowsInPlaceEmbedding` if its weight is shared
+    with the lm_head, and say whether it is (now) one.
 
     Through autograd, both uses of a tied weight feed one gradient accumulation: the lm_head's
     dense [vocab, hidden] gradient and the embedding's (a zero-filled dense one, or a sparse one
     with `sparse=True`) are summed out of place, ~36 ms and a fresh 113 MB tensor a backward for
-    SmolLM2-135M on CPU. Here the lookup reads a detached weight and a hook on its output adds
-    the few looked-up rows (`index_add_`) into `.grad`, which then holds the lm_head's gradient
-    as autograd produced it. The sum is the same, up to float32 round-off in the order of the
-    additions; the padding row gets no gradient, as with `nn.Embedding(padding_idx=...)`. For the
-    local backend only, FSDP2 and DeepSpeed owning the gradients.
+    SmolLM2-135M on CPU. A `RowsInPlaceEmbedding` looks up a detached weight and a hook on its
+    output adds the few looked-up rows (`index_add_`) into `.grad`, which then holds the
+    lm_head's gradient as autograd produced it. The sum is the same, up to float32 round-off in
+    the order of the additions; the padding row gets no gradient, as with
+    `nn.Embedding(padding_idx=...)`. The replacement holds the same weight Parameter under the
+    same name: the state_dict and the tie are unchanged. For the local backend only, FSDP2 and
+    DeepSpeed owning the gradients.
     """
     if not hasattr(model, "get_input_embeddings") or not hasattr(model, "get_output_embeddings"):
         return False  # not a language model (the critic's backbone keeps autograd's gradient)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if type(embedding) is not torch.nn.Embedding or head is None:
+    if isinstance(embedding, RowsInPlaceEmbedding):
+        return True
+    if type(embedding) is not nn.Embedding or head is None:
         return False
     if head.weight is not embedding.weight:
         return False
     if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
         return False
-    # A partial of the module (not a closure over its weight): copies of the model get their own.
-    embedding.forward = functools.partial(_embedding_rows_in_place_forward, embedding)
+    path = next(name for name, m in model.named_modules() if m is embedding)
+    model.set_submodule(path, RowsInPlaceEmbedding.from_module(embedding))
     return True
 
 
-def _embedding_rows_in_place_forward(embedding: torch.nn.Embedding, input_ids: Tensor) -> Tensor:
-    weight = embedding.weight
-    out = F.embedding(input_ids, weight.detach(), embedding.padding_idx)
-    if torch.is_grad_enabled() and weight.requires_grad:
-        out.requires_grad_()
-        out.register_hook(functools.partial(_add_embedding_rows, embedding, input_ids))
-    return out
+class RowsInPlaceEmbedding(nn.Embedding):
+    """An `nn.Embedding` over a weight tied to the lm_head, whose gradient rows are added in
+    place into `weight.grad` (see `tied_embedding_rows_in_place`)."""
+
+    replaces: type[nn.Module]
+    """The replaced module's class (the lean decode step reads the weight as its)."""
+
+    @classmethod
+    def from_module(cls, embedding: nn.Embedding) -> RowsInPlaceEmbedding:
+        """A stand-in for `embedding` holding its very weight Parameter (no copy) and hooks."""
+        new = cls(
+            embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx,
+            _weight=embedding.weight.detach(),  # no fresh initialisation; replaced just below
+        )
+        new.weight = embedding.weight
+        new.replaces = type(embedding)
+        take_over_hooks(new, embedding)
+        return new
+
+    def forward(self, input: Tensor) -> Tensor:
+        weight = self.weight
+        out = F.embedding(input, weight.detach(), self.padding_idx)
+        if torch.is_grad_enabled() and weight.requires_grad:
+            out.requires_grad_()
+            out.register_hook(functools.partial(_add_embedding_rows, self, input))
+        return out
+
+
+def take_over_hooks(stand_in: nn.Module, module: nn.Module) -> None:
+    """Give `stand_in` the module hooks registered on the `module` it replaces (transformers
+    registers some, e.g. on the input embedding for gradient checkpointing): the very hook
+    dicts, so the handles returned when they were registered still remove them."""
+    for name in _HOOK_ATTRS:
+        setattr(stand_in, name, getattr(module, name))
+
+
+_HOOK_ATTRS = (
+    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+    "_backward_pre_hooks", "_is_full_backward_hook", "_state_dict_hooks", "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+)
 
 
 def _add_embedding_rows(embedding: torch.nn.Embedding, ids: Tensor, grad: Tensor) -> None:

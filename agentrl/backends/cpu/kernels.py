@@ -20,9 +20,11 @@ Numbers: benchmarks/results/cpu_decode.md (`benchmarks/cpu_decode.py`).
 The module is compiled on first use with `torch.utils.cpp_extension` (g++ and ninja, ~40 s,
 cached under `TORCH_EXTENSIONS_DIR`; the cache key includes the CPU's flags since it is built
 with `-march=native`). Without a compiler, everything here falls back to the torch path;
-`AGENTRL_CPU_KERNELS=0` in the environment turns the kernels off everywhere. Whether a built
-kernel is used is measured on the CPU at hand (`calibrate.py`). Results equal the torch path up to float32
-round-off (other summation orders), and each row's result does not depend on the other rows.
+`AGENTRL_CPU_KERNELS=0` in the environment turns the kernels off everywhere (read at each call, so
+tests can switch it). Whether a built kernel is used is measured on the CPU at hand
+(`calibrate.py`; `AGENTRL_CPU_KERNELS=1` uses every family without measuring). Results equal the
+torch path up to float32 round-off (other summation orders), and each row's result does not
+depend on the other rows.
 """
 
 from __future__ import annotations
@@ -50,47 +52,62 @@ MIN_WEIGHT_NUMEL = 1 << 16
 call's fixed cost dominates and BLAS is faster (8 rows, development VM: 64 x 64 5.8 vs 7.0 us,
 256 x 256 14.8 vs 20.5 us; 192 x 576 30.5 vs 22.8 us)."""
 
+ENV = "AGENTRL_CPU_KERNELS"
+"""`0`: no kernel anywhere; `1`: every kernel family, whatever `calibrate` measured; unset: the
+families measured faster here."""
+
 _CSRC = Path(__file__).parent / "csrc"
 _lock = threading.Lock()
 _module = None
 _tried = False
+build_error: str | None = None
+"""Why the kernels could not be built (None if they were, or were not tried)."""
 
 
 def module():
     """The compiled kernels (built on the first call), or None where they cannot be built or
-    are turned off."""
+    are turned off (`AGENTRL_CPU_KERNELS=0`)."""
     global _module, _tried
+    if os.environ.get(ENV) == "0":  # before the build: turned off, nothing is compiled
+        return None
     with _lock:
         if not _tried:
             _tried = True
-            if os.environ.get("AGENTRL_CPU_KERNELS", "1") != "0":
-                _module = _build()
+            _module = _build()
         return _module
 
 
 def _build():
+    global build_error
     try:
         return compile_sources(_CSRC)
     # No compiler or ninja (RuntimeError, CalledProcessError), a module that will not load.
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as e:
+        build_error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"
         logger.warning(
-            "agentrl's CPU kernels could not be built (%s: %s); decoding and training use torch. "
+            "agentrl's CPU kernels could not be built (%s); decoding and training use torch. "
             "Install g++ and ninja (`apt-get install g++ ninja-build`) to get them.",
-            type(e).__name__,
-            (str(e).strip().splitlines() or [""])[-1],
+            build_error,
         )
         return None
 
 
 def compile_sources(csrc: Path, prefix: str = "agentrl_cpu_kernels") -> Any:
     """Compile the `.cpp` files of `csrc` (with its headers) into one module, cached under a name
-    keyed by their contents, the CPU's flags and the torch version. Raises where it cannot."""
+    keyed by their contents, the CPU's flags and the torch version, and by where the sources,
+    torch and Python's headers are: the build command names those paths, so two checkouts (or
+    environments) sharing one build directory would rebuild it for each other at every start.
+    Raises where it cannot."""
+    import sysconfig
+
     from torch.utils.cpp_extension import load
 
     files = sorted(p for p in csrc.iterdir() if p.suffix in (".cpp", ".h"))
+    paths = (csrc.resolve(), Path(torch.__file__).parent, sysconfig.get_paths()["include"])
+    where = hashlib.sha256("\n".join(map(str, paths)).encode()).hexdigest()[:6]
     logger.info("compiling agentrl's CPU kernels (once per machine, ~40 s)")
     return load(
-        name=f"{prefix}_{source_key(csrc)}",
+        name=f"{prefix}_{source_key(csrc)}_{where}",
         sources=[str(p) for p in files if p.suffix == ".cpp"],
         extra_cflags=["-O3", "-march=native", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
