@@ -13,7 +13,7 @@ import base64
 import json
 import math
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -196,7 +196,9 @@ class Trajectory:
     truncated: bool = False
     images: list[Image] = field(default_factory=list)
     group: str | None = None
-    """Prompt identity: trajectories of the same group share a baseline (GRPO, RLOO)."""
+    """Prompt identity: trajectories of the same group share a baseline (GRPO, RLOO). Named
+    once, when the episodes are launched (`group_name`); trainers number groups with
+    `dense_group_ids`."""
     uid: str = field(default_factory=lambda: uuid.uuid4().hex)
     info: dict = field(default_factory=dict)
     discard: bool = False
@@ -360,6 +362,27 @@ class TrajectoryBuilder:
         )
         traj.validate()
         return traj
+
+
+def group_name(prefix: str, prompt_index: int) -> str:
+    """The group of the episodes launched for prompt `prompt_index` of a batch, for env
+    rollouts and proxy sessions alike: its samples share a baseline (GRPO, RLOO)."""
+    return f"{prefix}{prompt_index}"
+
+
+def dense_group_ids(trajectories: Sequence[Trajectory]) -> list[int]:
+    """Integer id of each trajectory's group, 0, 1, ... in order of first appearance; a
+    trajectory without a group is a group of its own.
+
+    The one mapping from group names to the ids trainers use (dynamic filtering, baselines,
+    prompt sharing). The trainer numbers a step's whole batch once and gives each rank its
+    slice of the ids with its slice of the trajectories, so the ids mean the same on every rank.
+    """
+    ids: dict[tuple[str, str | int], int] = {}
+    return [
+        ids.setdefault(("group", t.group) if t.group is not None else ("row", i), len(ids))
+        for i, t in enumerate(trajectories)
+    ]
 
 
 def save_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> int:

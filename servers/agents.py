@@ -25,7 +25,7 @@ from typing import TypeVar
 import httpx
 from fastapi import FastAPI
 
-from agentrl.types import Trajectory
+from agentrl.types import Trajectory, group_name
 from servers.serving import serve_in_thread
 
 log = logging.getLogger(__name__)
@@ -61,30 +61,37 @@ async def run_agents(
     reward_fn: RewardFn | None = None,
     concurrency: int = 16,
     api_key: str = "agentrl",
+    n_samples_per_task: int = 1,
+    group_prefix: str = "",
     group_fn: Callable[[int, TaskT], str] | None = None,
     raise_on_error: bool = False,
 ) -> list[Trajectory]:
-    """Run `agent_fn` once per task, each in its own proxy session; return all trajectories.
+    """Run `agent_fn` `n_samples_per_task` times per task, each run in its own proxy session;
+    return all trajectories.
 
     base_url: a running proxy (`http://127.0.0.1:8000`); or app: a proxy app to serve on a
-    loopback port for the duration. group_fn(i, task) names the task's group (default: the
-    task index), so repeated tasks share a GRPO/RLOO baseline. An agent that raises is logged
-    and its episode dropped (or re-raised with raise_on_error=True). Trajectories come back in
-    task order; a session with drift yields several (one per segment).
+    loopback port for the duration. The runs of task i are one group, named when its
+    sessions are created: `group_name(group_prefix, i)` (as env rollouts name prompt i's), or
+    group_fn(i, task), so they share a GRPO/RLOO baseline. An agent that raises is logged and
+    its episode dropped (or re-raised with raise_on_error=True). Trajectories come back in
+    (task, sample) order; a session with drift yields several (one per segment).
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    if n_samples_per_task < 1:
+        raise ValueError(f"n_samples_per_task must be >= 1, got {n_samples_per_task}")
     sem = asyncio.Semaphore(concurrency)
     async with _server(base_url, app) as root, httpx.AsyncClient(
         base_url=root, headers={"authorization": f"Bearer {api_key}"}, timeout=None
     ) as http:
 
-        async def episode(i: int, task: TaskT) -> list[Trajectory]:
+        async def episode(i: int, j: int, task: TaskT) -> list[Trajectory]:
             async with sem:
-                group = group_fn(i, task) if group_fn else str(i)
-                sid = f"ep{i}-{uuid.uuid4().hex[:12]}"
-                r = await http.post("/sessions", json={"id": sid, "group": group,
-                                                       "info": {"task_index": i}})
+                group = group_fn(i, task) if group_fn else group_name(group_prefix, i)
+                name = f"ep{i}" if n_samples_per_task == 1 else f"ep{i}.{j}"  # task.sample
+                sid = f"{name}-{uuid.uuid4().hex[:12]}"
+                r = await http.post("/sessions", json={
+                    "id": sid, "group": group, "info": {"task_index": i, "sample_index": j}})
                 r.raise_for_status()
                 session_url = f"{root}/sessions/{sid}/v1"
                 try:
@@ -111,5 +118,7 @@ async def run_agents(
                 await http.delete(f"/sessions/{sid}")
                 return [Trajectory.from_dict(t) for t in body["trajectories"]]
 
-        results = await asyncio.gather(*(episode(i, t) for i, t in enumerate(tasks)))
+        results = await asyncio.gather(
+            *(episode(i, j, t) for i, t in enumerate(tasks) for j in range(n_samples_per_task))
+        )
     return [traj for episode_trajs in results for traj in episode_trajs]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from agentrl.types import Trajectory
+from agentrl.types import Trajectory, dense_group_ids
 
 
 @dataclass
@@ -29,7 +29,8 @@ class RolloutBatch:
     rewards: Tensor
     """[B, T-1] per-step rewards on the last policy token of each turn."""
     group_ids: Tensor
-    """[B] integer group of each sequence (same prompt, same group)."""
+    """[B] integer group of each sequence (same prompt, same group), numbered over the whole
+    step (`agentrl.types.dense_group_ids`), so equal ids mean one group on every rank."""
     extras: dict[str, Tensor] = field(default_factory=dict)
     """Filled during the step: old_logp, ref_logp, values, advantages, returns."""
 
@@ -66,17 +67,23 @@ class RolloutBatch:
 _TENSOR_FIELDS = ("input_ids", "lengths", "mask", "rollout_logp", "rewards", "group_ids")
 
 
-def collate(trajectories: Sequence[Trajectory], pad_id: int) -> RolloutBatch:
+def collate(
+    trajectories: Sequence[Trajectory], pad_id: int, group_ids: Sequence[int] | None = None
+) -> RolloutBatch:
+    """Pad the trajectories into a batch. `group_ids`: their groups as numbered for the whole
+    step (a rank's slice of them); default: `dense_group_ids(trajectories)`."""
     if not trajectories:
         raise ValueError("cannot train on an empty batch of trajectories")
+    if group_ids is None:
+        group_ids = dense_group_ids(trajectories)
+    if len(group_ids) != len(trajectories):
+        raise ValueError(f"{len(group_ids)} group ids for {len(trajectories)} trajectories")
     B = len(trajectories)
     T = max(len(t.token_ids) for t in trajectories)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
     mask = torch.zeros(B, T - 1)
     rollout_logp = torch.zeros(B, T - 1)
     rewards = torch.zeros(B, T - 1)
-    groups: dict[str, int] = {}
-    group_ids = torch.zeros(B, dtype=torch.long)
     for b, traj in enumerate(trajectories):
         n = len(traj.token_ids)
         input_ids[b, :n] = torch.as_tensor(traj.token_ids)
@@ -85,10 +92,9 @@ def collate(trajectories: Sequence[Trajectory], pad_id: int) -> RolloutBatch:
         for turn in traj.turns:
             if turn.end > turn.start:
                 rewards[b, turn.end - 2] += turn.reward
-        key = traj.group if traj.group is not None else traj.uid
-        group_ids[b] = groups.setdefault(key, len(groups))
     lengths = torch.as_tensor([len(t.token_ids) for t in trajectories])
-    return RolloutBatch(input_ids, lengths, mask, rollout_logp, rewards, group_ids)
+    groups = torch.as_tensor(list(group_ids), dtype=torch.long)
+    return RolloutBatch(input_ids, lengths, mask, rollout_logp, rewards, groups)
 
 
 def length_sorted(batch: RolloutBatch, indices: Sequence[int]) -> list[int]:

@@ -160,9 +160,12 @@ class RolloutConfig:
     max_new_tokens: int = 32
     """Most tokens per policy turn."""
     max_episode_tokens: int | None = None
-    """Token budget per episode (truncates)."""
+    """Token budget per episode (prompt, actions, observations); the rollout loop truncates the
+    episode when it runs out (info truncated_by "max_episode_tokens"). None: no limit."""
     max_turns: int | None = None
-    """Turn budget per episode (truncates), for chat envs."""
+    """Turn budget per episode, for every env; the rollout loop truncates the episode after the
+    last turn (info truncated_by "max_turns"). An env whose own task rule depends on its turn
+    limit (math-tir: the last turn must answer) is told this budget. None: no limit."""
     temperature: float = 1.0
     """Sampling temperature."""
     top_p: float = 1.0
@@ -196,6 +199,10 @@ class RolloutConfig:
             raise ValueError("--rollout.n_samples_per_prompt and prompts_per_step must be >= 1")
         if self.max_new_tokens < 1:
             raise ValueError(f"--rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        from agentrl.rollout.budget import check_budget
+
+        check_budget(self.max_turns, "--rollout.max_turns")
+        check_budget(self.max_episode_tokens, "--rollout.max_episode_tokens")
         if self.async_depth < 0:
             raise ValueError("--rollout.async_depth must be >= 0")
         from agentrl.engine import check_engine_name

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.backends import DISTRIBUTED, NonFiniteLossError
-from agentrl.types import Trajectory, iter_jsonl, save_jsonl
+from agentrl.types import Trajectory, dense_group_ids, iter_jsonl, save_jsonl
 from trainers.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainers.config import TrainConfig
 from trainers.metrics import MetricsLogger
@@ -59,7 +59,8 @@ class _Handle:
 
 class _Group:
     """Data-parallel policy ranks: every call goes to all of them (collectives inside need
-    every rank); the result is rank 0's. `train` gets each rank its slice of the batch."""
+    every rank); the result is rank 0's. `train` gets each rank its slice of the batch, with
+    the slice of the step's group ids (numbered once over the whole batch)."""
 
     remote = True
 
@@ -71,13 +72,14 @@ class _Group:
         import ray
 
         if method == "train":
-            trajs, rest = args[0], args[1:]
+            trajs, kl_coef, group_ids = args
             # Contiguous, sizes differing by at most one (after discards the batch need not
             # divide evenly); losses use global counts, so the update is the same.
             n, ranks = len(trajs), len(self.actors)
             bounds = [n * i // ranks for i in range(ranks + 1)]
             futures = [
-                getattr(a, method).remote(trajs[bounds[i] : bounds[i + 1]], *rest)
+                a.train.remote(trajs[bounds[i] : bounds[i + 1]], kl_coef,
+                               group_ids[bounds[i] : bounds[i + 1]])
                 for i, a in enumerate(self.actors)
             ]
         else:
@@ -211,7 +213,9 @@ class Trainer:
                 f"environment or sandbox failed; see info in the step's rollouts file)"))
         scored = self._shape_rewards(trajs)
         try:
-            metrics = self.policy.call("train", scored, self.kl_coef)  # type: ignore[union-attr]
+            metrics = self.policy.call(  # type: ignore[union-attr]
+                "train", scored, self.kl_coef, dense_group_ids(scored)
+            )
         except Exception as e:
             # Ray re-raises a worker's exception as an instance of its class too (and keeps it
             # as `.cause`), so this holds for local and remote workers alike.
@@ -290,10 +294,9 @@ class Trainer:
         trajs = [t for t in trajs if not t.discard]
         if not trajs:
             return []
-        groups = {g: i for i, g in enumerate(dict.fromkeys(t.group for t in trajs))}
         keep = dynamic_filter(
             torch.tensor([t.total_reward for t in trajs]),
-            torch.tensor([groups[t.group] for t in trajs]),
+            torch.tensor(dense_group_ids(trajs)),
             criterion=self.cfg.algo.dynamic_filter,
         )
         return [t for t, k in zip(trajs, keep.tolist(), strict=True) if k]

@@ -124,8 +124,15 @@ class PolicyWorker:
             return module(batch.input_ids[idx, :n], batch.lengths[idx]).float()
 
     # ------------------------------------------------------------------ the update
-    def train(self, trajectories: list, kl_coef: float) -> dict[str, float]:
-        """One RL step on a rollout batch: logprobs, advantages, PPO epochs. Returns metrics."""
+    def train(
+        self, trajectories: list, kl_coef: float, group_ids: Sequence[int] | None = None
+    ) -> dict[str, float]:
+        """One RL step on a rollout batch: logprobs, advantages, PPO epochs. Returns metrics.
+
+        `group_ids`: the trajectories' groups as numbered for the whole step
+        (`agentrl.types.dense_group_ids`); a data-parallel rank gets its slice. Default: numbered
+        here, for a worker that trains on the whole batch.
+        """
         cfg, algo = self.cfg, self.cfg.algo
         t0 = time.perf_counter()
         self.shared_tokens = 0
@@ -133,7 +140,7 @@ class PolicyWorker:
             held = int(getattr(self.engine, "kv_bytes", 0))
             self.engine.sleep()  # colocated: free the KV caches while training
             self.policy.release_host_memory(held)
-        batch = collate(trajectories, self.pad_id).to(self.device)
+        batch = collate(trajectories, self.pad_id, group_ids).to(self.device)
         if cfg.epochs_per_step * cfg.minibatches_per_step > 1 or algo.mismatch_correction != "none":
             self._fill(batch, "old_logp", self.policy)
         if self.ref is not None:
@@ -144,8 +151,7 @@ class PolicyWorker:
         if self.ref is not None and not algo.kl_as_loss:
             old = batch.extras.get("old_logp", batch.rollout_logp)
             kl = A.kl_estimate(algo.kl_estimator, old, batch.extras["ref_logp"]) * batch.mask
-        groups = [t.group if t.group is not None else t.uid for t in trajectories]
-        adv, ret = batch_advantages(algo, batch, groups, kl, kl_coef, rank=self.rank)
+        adv, ret = batch_advantages(algo, batch, kl, kl_coef, rank=self.rank)
         batch.extras["advantages"], batch.extras["returns"] = adv, ret
         metrics = self._epochs(batch)
         metrics.update(

@@ -4,6 +4,7 @@ that receives weights in buckets.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -11,6 +12,8 @@ import torch
 
 from agentrl.types import SamplingParams, Trajectory
 from trainers.config import TrainConfig
+
+logger = logging.getLogger(__name__)
 
 
 def make_engine(cfg: TrainConfig, model: Any, tokenizer: Any, device: torch.device) -> Any:
@@ -33,15 +36,16 @@ def env_factory(cfg: TrainConfig, tokenizer: Any, *, eval_split: bool = False) -
     import gymnasium as gym
 
     from agentrl.envs import resolve_env_id
+    from agentrl.envs.registry import env_takes
 
     env_id = resolve_env_id(cfg.env)
     kwargs: dict[str, Any] = dict(cfg.env_kwargs)
     if eval_split:
         kwargs.update(cfg.eval_env_kwargs)
-    if cfg.rollout.max_turns is not None:
-        kwargs["max_turns"] = cfg.rollout.max_turns
-    if cfg.rollout.max_episode_tokens is not None:
-        kwargs["max_episode_tokens"] = cfg.rollout.max_episode_tokens
+    # The rollout loop enforces the run's turn and token budgets. An env whose own task rule
+    # depends on its turn limit (math-tir: the last turn must answer) is told the turn budget.
+    if cfg.rollout.max_turns is not None and env_takes(env_id, "max_turns"):
+        kwargs.setdefault("max_turns", cfg.rollout.max_turns)
     return lambda: gym.make(env_id, tokenizer=tokenizer, **kwargs)
 
 
@@ -65,10 +69,17 @@ def collect_for_step(
         n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
         sampling=sampling_params(cfg),
         seeds=seeds,
+        max_turns=cfg.rollout.max_turns,
         max_episode_tokens=cfg.rollout.max_episode_tokens,
         max_concurrency=cfg.rollout.max_concurrency,
-        group_prefix=f"s{step}-",
+        group_prefix=group_prefix(step),
     )
+
+
+def group_prefix(step: int) -> str:
+    """Prefix of the groups of a training step's rollouts (env episodes and agent sessions):
+    prompt i of step s is group "s{s}-{i}", distinct across steps (and async rollouts)."""
+    return f"s{step}-"
 
 
 def collect_agent_episodes(
@@ -84,8 +95,8 @@ def collect_agent_episodes(
 
     agent_fn, reward_fn = load_callable(cfg.agent), load_callable(cfg.agent_reward)
     tasks = load_tasks(cfg.agent_tasks)
-    n = cfg.rollout.n_samples_per_prompt
-    picked = [tasks[s % len(tasks)] for s in seeds for _ in range(n)]
+    _warn_unused_budgets(cfg)
+    picked = [tasks[s % len(tasks)] for s in seeds]
     # Agents may name the policy "agentrl" or by its model name; both are served.
     app = create_app(engine, tokenizer, config=ProxyConfig(aliases=(cfg.actor.model,)))
     trajs = asyncio.run(
@@ -95,10 +106,27 @@ def collect_agent_episodes(
             app=app,
             reward_fn=reward_fn,
             concurrency=cfg.rollout.max_concurrency,
-            group_fn=lambda i, _t: f"s{step}-{i // n}",
+            n_samples_per_task=cfg.rollout.n_samples_per_prompt,
+            group_prefix=group_prefix(step),
         )
     )
     return trajs
+
+
+_budget_warned = False
+
+
+def _warn_unused_budgets(cfg: TrainConfig) -> None:
+    global _budget_warned
+    ro = cfg.rollout
+    if _budget_warned or (ro.max_turns is None and ro.max_episode_tokens is None):
+        return
+    _budget_warned = True
+    logger.warning(
+        "--rollout.max_turns and --rollout.max_episode_tokens apply to env rollouts only; an "
+        "--agent runs its own loop through the proxy (limit its turns in the agent, its tokens "
+        "per call with max_tokens)"
+    )
 
 
 def load_callable(spec: str | None) -> Callable[..., Any]:
@@ -135,6 +163,8 @@ def evaluate_engine(engine: Any, cfg: TrainConfig, tokenizer: Any) -> dict[str, 
         num_problems=cfg.eval_problems,
         k=cfg.eval_samples,
         sampling=sampling_params(cfg, temperature=cfg.eval_temperature),
+        max_turns=cfg.rollout.max_turns,
+        max_episode_tokens=cfg.rollout.max_episode_tokens,
     )
     return {
         "pass@1": result.pass_at_1,

@@ -54,6 +54,10 @@ class ChatTokenEnv(TokenEnv):
     template; the policy's sampled tokens are appended exactly as sampled. After each step the
     running sequence is compared with a full re-render (`check_drift`): differences are
     reported in `info["drift"]` and counted in `info["drift_events"]`, never raised.
+
+    Turn and token budgets are not the bridge's: the rollout loop enforces them for every env
+    (`agentrl.rollout.collect(max_turns=, max_episode_tokens=)`). The bridge ends an episode
+    only when the chat env does, or when the template cannot render it (`template_error`).
     """
 
     def __init__(
@@ -61,21 +65,15 @@ class ChatTokenEnv(TokenEnv):
         chat_env: ChatEnv,
         tokenizer: Any = None,
         *,
-        max_turns: int | None = None,
-        max_episode_tokens: int | None = None,
         check_drift: bool = True,
     ) -> None:
         from agentrl.models import resolve_tokenizer
 
         if not isinstance(chat_env, ChatEnv):
             raise TypeError(f"ChatTokenEnv wraps a ChatEnv, got {type(chat_env).__name__}")
-        if max_turns is not None and max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1 or None, got {max_turns}")
         self.chat_env = chat_env
         self.tokenizer = resolve_tokenizer(tokenizer)
         self.bridge = ChatTemplateBridge(self.tokenizer, getattr(chat_env, "tools", None))
-        self.max_turns = max_turns
-        self.max_episode_tokens = max_episode_tokens
         self.check = check_drift
         self._init_spaces(len(self.tokenizer))
         self._messages: list[Message] = []
@@ -153,19 +151,11 @@ class ChatTokenEnv(TokenEnv):
         self, ids: list[int], new: Sequence[Message], info: dict[str, Any]
     ) -> tuple[bool, list[int], tuple[np.ndarray, ...]]:
         """Render the next observation; returns (truncated, obs ids, images)."""
-        if self.max_turns is not None and self._turn >= self.max_turns:
-            info["truncated_by"] = "max_turns"
-            return True, [], ()
         try:
             obs_ids = self.bridge.observation_ids(ids, new)
         except TemplateError as e:
             # Never crash the episode: end it as truncated and say why.
             info["template_error"] = str(e)
-            return True, [], ()
-        if self.max_episode_tokens is not None and (
-            len(self._tokens) + len(obs_ids) >= self.max_episode_tokens
-        ):
-            info["truncated_by"] = "max_episode_tokens"
             return True, [], ()
         return False, obs_ids, _images(new)
 

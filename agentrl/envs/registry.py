@@ -4,6 +4,10 @@ Every id is `<namespace>/<Name>-v<N>` (built-ins use `agentrl/`). The entry poin
 `TokenEnv` class, a `ChatEnv` class, any factory returning either, or a "module:attr" string
 (imported only when the env is made, so `import agentrl` stays light). Chat envs are wrapped
 in the token-level bridge for `tokenizer=` (an object, a model name, or the embedded default).
+
+Turn and token budgets are not env arguments: the rollout loop enforces them for every env
+(`agentrl.rollout.collect(max_turns=, max_episode_tokens=)`). `gym.make(id, max_turns=N)` reaches
+only an env whose constructor takes `max_turns` as a rule of its own task (math-tir).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "agentrl.environments"
 _ID_RE = re.compile(r"^[A-Za-z0-9_.\-]+/[A-Z][A-Za-z0-9_]*-v\d+$")
-_BRIDGE_KWARGS = ("max_turns", "max_episode_tokens", "check_drift")
+_BRIDGE_KWARGS = ("check_drift",)
+_RUN_BUDGETS = ("max_turns", "max_episode_tokens")
 
 
 @dataclass(frozen=True)
@@ -81,10 +86,14 @@ def make_env(target: Callable[..., Any] | str, tokenizer: Any = None, **kwargs: 
         inspect.isclass(factory) and issubclass(factory, ChatEnv)
     ):
         kwargs["tokenizer"] = tokenizer
-    if "max_turns" in bridge_kwargs and _accepts(factory, "max_turns", via_kwargs=False):
-        # A chat env with its own turn budget gets the same one, so gym.make(max_turns=N) means
-        # N turns whichever default the env has.
-        kwargs.setdefault("max_turns", bridge_kwargs["max_turns"])
+    for name in _RUN_BUDGETS:
+        if name in kwargs and not _accepts(factory, name, unknown=True):
+            raise TypeError(
+                f"{name}={kwargs[name]!r}: {getattr(factory, '__name__', factory)} takes no "
+                f"{name}; episode budgets are enforced by the rollout loop for every env: pass "
+                f"agentrl.rollout.collect({name}=...) (CLI: --rollout.{name} for train, "
+                f"--{name} for rollout and eval)"
+            )
     env = factory(**kwargs)
     if isinstance(env, ChatEnv):
         return ChatTokenEnv(env, tokenizer, **bridge_kwargs)
@@ -98,6 +107,19 @@ def make_env(target: Callable[..., Any] | str, tokenizer: Any = None, **kwargs: 
             f"entry point {target!r} returned {type(env).__name__}; expected a TokenEnv or ChatEnv"
         )
     return env
+
+
+def env_takes(id: str, name: str) -> bool:
+    """Whether the env registered as `id` declares the constructor argument `name` (a rule of
+    its own task, like math-tir's `max_turns`: its last turn must give the answer)."""
+    target = (gym.spec(id).kwargs or {}).get("target")
+    if target is None:
+        return False
+    factory = _load(target) if isinstance(target, str) else target
+    try:
+        return name in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def resolve_env_id(name: str) -> str:
@@ -153,13 +175,14 @@ def _load(spec: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), attr)
 
 
-def _accepts(fn: Callable[..., Any], name: str, *, via_kwargs: bool = True) -> bool:
-    """Whether `fn` takes a keyword `name`: declared, or (with `via_kwargs`) through **kwargs."""
+def _accepts(fn: Callable[..., Any], name: str, *, unknown: bool = False) -> bool:
+    """Whether `fn` takes a keyword `name`, declared or through **kwargs (`unknown` when its
+    signature cannot be read)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
-        return False
-    return name in params or (via_kwargs and any(p.kind is p.VAR_KEYWORD for p in params.values()))
+        return unknown
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _suggest_name(id: str) -> str:

@@ -17,6 +17,7 @@ from typing import Annotated
 import tyro
 
 from agentrl.models import DEFAULT_MODEL
+from agentrl.rollout.budget import check_budget
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +36,8 @@ class RolloutArgs:
     """Most tokens sampled per turn."""
     max_episode_tokens: int | None = None
     """Most tokens per episode (prompt, actions and observations); None = the model's context."""
+    max_turns: int | None = None
+    """Most policy turns per episode (None: only the env's own rules end it)."""
     temperature: float = 1.0
     """Sampling temperature (0 = greedy)."""
     top_p: float = 1.0
@@ -62,6 +65,8 @@ class RolloutArgs:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
+        check_budget(self.max_turns, "--max_turns")
+        check_budget(self.max_episode_tokens, "--max_episode_tokens")
 
 
 def main(argv: list[str]) -> int:
@@ -110,6 +115,7 @@ def run(args: RolloutArgs) -> int:
             n_samples_per_prompt=args.samples,
             sampling=sampling,
             seeds=[args.seed + i for i in range(args.prompts)],
+            max_turns=args.max_turns,
             max_episode_tokens=args.max_episode_tokens,
             max_concurrency=max(args.max_batch_size, 1),
             progress=args.progress,

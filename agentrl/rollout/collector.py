@@ -3,7 +3,11 @@
 Each episode is a coroutine: it awaits the engine for every turn (the engine batches all the
 episodes' requests together) and runs `reset`/`step` in a thread pool, because env steps may
 block (code execution, graders). Prompt i is reset with seed seeds[i]; its n samples share the
-group id f"{group_prefix}{i}" so GRPO/RLOO baselines can be computed per group.
+group `group_name(group_prefix, i)` so GRPO/RLOO baselines can be computed per group.
+
+This loop is the one owner of the per-episode budgets (`EpisodeBudget`: turns and tokens) for
+every env, bridged chat envs included: an episode that runs out ends truncated with
+`info["truncated_by"]` = "max_turns" | "max_episode_tokens".
 
 A trajectory holds what the policy conditioned on and sampled: an observation returned with
 `terminated`/`truncated` (which no action follows) is not appended.
@@ -27,7 +31,8 @@ import numpy as np
 
 from agentrl.engine.base import Engine, GenerationError, PromptTooLongError
 from agentrl.envs.base import TokenEnv
-from agentrl.types import Image, SamplingParams, Trajectory, TrajectoryBuilder
+from agentrl.rollout.budget import EpisodeBudget
+from agentrl.types import Image, SamplingParams, Trajectory, TrajectoryBuilder, group_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +53,7 @@ async def collect(
     sampling: SamplingParams,
     seeds: Sequence[int] | None = None,
     reset_options: Sequence[dict[str, Any] | None] | None = None,
+    max_turns: int | None = None,
     max_episode_tokens: int | None = None,
     max_concurrency: int = 64,
     progress: bool = False,
@@ -65,6 +71,8 @@ async def collect(
             collection reproducible (each episode and turn derives its own seed from it).
         seeds: reset seed of each prompt (default: its index).
         reset_options: reset options of each prompt.
+        max_turns: budget of policy turns per episode; after the last one the episode ends
+            truncated (the env's next observation is not appended).
         max_episode_tokens: budget on all tokens of an episode (prompt, actions, observations);
             when it runs out the episode ends truncated (an observation that leaves no room
             for an action is not appended).
@@ -75,8 +83,7 @@ async def collect(
     episodes = _plan(num_prompts, n_samples_per_prompt, seeds, reset_options, group_prefix)
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
-    if max_episode_tokens is not None and max_episode_tokens < 1:
-        raise ValueError(f"max_episode_tokens must be >= 1 or None, got {max_episode_tokens}")
+    budget = EpisodeBudget(max_turns=max_turns, max_episode_tokens=max_episode_tokens)
     bar = _progress_bar(len(episodes)) if progress else None
     sem = asyncio.Semaphore(max_concurrency)
     pool = concurrent.futures.ThreadPoolExecutor(
@@ -87,7 +94,7 @@ async def collect(
     async def run(ep: _Episode) -> Trajectory:
         nonlocal tokens
         async with sem:
-            traj = await _episode(engine, env_fn, ep, sampling, max_episode_tokens, pool)
+            traj = await _episode(engine, env_fn, ep, sampling, budget, pool)
         if bar is not None:
             tokens += traj.num_policy_tokens
             bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - start, 1e-9):.0f}")
@@ -136,7 +143,7 @@ def _plan(
             sample_index=j,
             seed=int(seeds[i]) if seeds is not None else i,
             options=options[i] if options is not None else None,
-            group=f"{prefix}{i}",
+            group=group_name(prefix, i),
         )
         for i in range(num_prompts)
         for j in range(n)
@@ -148,7 +155,7 @@ async def _episode(
     env_fn: Callable[[], TokenEnv],
     ep: _Episode,
     sampling: SamplingParams,
-    max_episode_tokens: int | None,
+    budget: EpisodeBudget,
     pool: concurrent.futures.Executor,
 ) -> Trajectory:
     loop = asyncio.get_running_loop()
@@ -167,14 +174,13 @@ async def _episode(
         context, images = _observe(builder, obs, [], [])
         turn = 0
         while True:
-            budget = sampling.max_tokens
-            if max_episode_tokens is not None:
-                budget = min(budget, max_episode_tokens - len(context))
-                if budget < 1:
-                    truncated, info["truncated_by"] = True, "max_episode_tokens"
-                    break
+            over = budget.exhausted(turns=turn, tokens=len(context))
+            if over is not None:  # the prompt alone leaves no room
+                truncated, info["truncated_by"] = True, over
+                break
             params = dataclasses.replace(
-                sampling, n=1, max_tokens=budget, seed=_derive_seed(sampling.seed, ep, turn)
+                sampling, n=1, max_tokens=budget.sample_limit(len(context), sampling.max_tokens),
+                seed=_derive_seed(sampling.seed, ep, turn),
             )
             try:
                 [c] = await engine.generate(context, params, images or None)
@@ -199,11 +205,10 @@ async def _episode(
             info = dict(step_info)
             if terminated or truncated:
                 break
-            if max_episode_tokens is not None and (
-                len(context) + len(obs["tokens"]) >= max_episode_tokens
-            ):
-                # No room to act after this observation: end here, without it.
-                truncated, info["truncated_by"] = True, "max_episode_tokens"
+            over = budget.exhausted(turns=turn, tokens=len(context) + len(obs["tokens"]))
+            if over is not None:
+                # No turn left, or no room to act after this observation: end without it.
+                truncated, info["truncated_by"] = True, over
                 break
             context, images = _observe(builder, obs, context, images)
     except Exception as e:  # an env failure ends this episode only, and it is not trained on

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import tyro
 
 from agentrl.models import DEFAULT_MODEL
+from agentrl.rollout.budget import check_budget
 from agentrl.types import SamplingParams, Trajectory
 
 if TYPE_CHECKING:
@@ -129,6 +130,7 @@ def evaluate(
     k: int = 1,
     sampling: SamplingParams,
     n_samples: int | None = None,
+    max_turns: int | None = None,
     max_episode_tokens: int | None = None,
     max_concurrency: int = 64,
     progress: bool = False,
@@ -138,7 +140,8 @@ def evaluate(
 
     `env_fn` should build the eval split, e.g.
     `lambda: gym.make("agentrl/MathTIR-v0", tokenizer=tok, split="eval")`. With greedy
-    sampling every sample is the same, so one is drawn and pass@k = pass@1.
+    sampling every sample is the same, so one is drawn and pass@k = pass@1. `max_turns` and
+    `max_episode_tokens` are the episode budgets `collect` enforces.
     """
     from agentrl.rollout import collect_sync
 
@@ -159,6 +162,7 @@ def evaluate(
         sampling=sampling,
         seeds=list(range(num_problems)),
         reset_options=[{"index": i} for i in range(num_problems)],
+        max_turns=max_turns,
         max_episode_tokens=max_episode_tokens,
         max_concurrency=max_concurrency,
         progress=progress,
@@ -206,12 +210,14 @@ class EvalArgs:
     max_tokens: int = 256
     """Most tokens sampled per turn."""
     max_episode_tokens: int | None = 2048
-    """Most tokens per episode (prompt, actions, observations)."""
+    """Most tokens per episode (prompt, actions, observations); the episode ends truncated."""
+    max_turns: int | None = None
+    """Most policy turns per episode, for any env (None: only the env's own rules end it)."""
     seed: int = 0
     """Sampling seed (a rerun gives the same samples)."""
     data: DataArgs = DataArgs()
     env_kwargs: str = "{}"
-    """Other env constructor arguments as JSON, e.g. '{"max_turns": 3}'."""
+    """Other env constructor arguments as JSON, e.g. '{"max_turns": 3}' (math-tir's own rule)."""
     out: Path | None = None
     """Write the trajectories here as JSON lines."""
     engine: str = "transformers"
@@ -234,6 +240,8 @@ class EvalArgs:
                                  f"{getattr(self, name)}")
         if self.samples is not None and self.samples < self.k:
             raise ValueError(f"-n/--samples ({self.samples}) must be >= -k ({self.k})")
+        check_budget(self.max_turns, "--max_turns")
+        check_budget(self.max_episode_tokens, "--max_episode_tokens")
 
 
 def env_kwargs_for(args: EvalArgs, env_id: str) -> dict[str, Any]:
@@ -318,7 +326,8 @@ def run(args: EvalArgs) -> int:
         result = evaluate(
             engine, lambda: gym.make(env_id, tokenizer=tokenizer, **kwargs),
             num_problems=args.num_problems, k=args.k, sampling=sampling,
-            n_samples=args.samples, max_episode_tokens=args.max_episode_tokens,
+            n_samples=args.samples, max_turns=args.max_turns,
+            max_episode_tokens=args.max_episode_tokens,
             max_concurrency=args.max_batch_size, progress=args.progress,
         )
     finally:

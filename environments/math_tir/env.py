@@ -3,8 +3,11 @@
 
 `MathTIREnv` (agentrl/MathTIR-v0, CLI `math-tir`): the policy writes Python (a Hermes tool
 call or a ```python block), the env runs it in a per-episode sandbox session and answers with
-the output; the episode ends at a `\\boxed{}` answer (terminated), after `max_turns` policy
-turns (truncated) or when the bridge's `max_episode_tokens` runs out (truncated).
+the output; the episode ends at a `\\boxed{}` answer (terminated) or after `max_turns` policy
+turns (truncated). `max_turns` is a rule of this task: the last turn must answer, and code
+written in it is not run (its output could never be read). The run's budgets (turns and
+tokens, `agentrl.rollout.collect(max_turns=, max_episode_tokens=)`, `--rollout.max_turns`) are
+enforced by the rollout loop on top of it; whichever runs out first ends the episode.
 
 Reward (final step): 1.0 if the boxed answer is equivalent to the reference (math-verify:
 `\\frac{1}{2}` = `0.5`), else 0.0; plus `format_reward` for any parseable boxed answer and
@@ -18,7 +21,8 @@ info (every step; the last one ends up in `Trajectory.info`):
 - `num_calls`, `call_statuses`: code executions so far and their sandbox statuses.
 - `sandbox_error` (bool): the sandbox itself failed. The episode ends (truncated, reward 0)
   with `discard` set, so trainers and evaluators drop it instead of counting a wrong answer.
-- `truncated_by`: "max_turns" | "sandbox_error" when the env ended the episode early.
+- `truncated_by`: "max_turns" | "sandbox_error" when the env ended the episode early (the
+  rollout loop sets "max_turns" | "max_episode_tokens" when a run budget ends it).
 """
 
 from __future__ import annotations
@@ -174,7 +178,9 @@ class MathTIREnv(_MathEnvBase):
         question_key, answer_key: column names in `data_path`.
         task_options: per-task reasoning-gym config overrides, {name: {option: value}}.
         eval_fraction: share of problem identities that belong to "eval".
-        max_turns: policy turns before the episode is truncated.
+        max_turns: the task's turn limit: the episode is truncated after this many policy
+            turns, and code in the last one is not run. A rule of this env, on top of the
+            run's budgets, which the rollout loop enforces.
         system_prompt: explains the protocol; None or "" uses the template's default.
         examples: chat turns shown before the problem (default: one worked exchange,
             code -> "Output: 24" -> \\boxed{24}); None or () for none.

@@ -10,7 +10,10 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 from agentrl.envs import ChatTokenEnv
+from agentrl.rollout import collect_sync
+from agentrl.types import SamplingParams
 from environments.math_tir.env import MathEnv, MathTIREnv
+from servers.testing import FakeEngine
 
 from ._helpers import act, code, decode, tool_call
 
@@ -126,15 +129,24 @@ def test_turn_budget_truncates(tiny_tokenizer, sandbox):
     env.close()
 
 
-def test_bridge_budgets_truncate(tir):
-    env = tir(max_turns=1)  # via gym.make: applied by the token bridge
+def test_max_turns_is_the_tasks_rule_and_run_budgets_the_rollouts(tir, tiny_tokenizer):
+    env = tir(max_turns=1)  # via gym.make: math-tir's own rule, code in the last turn not run
     env.reset(seed=0)
     _, _, term, trunc, info = act(env, code("print(1)"))
-    assert (term, trunc, info["truncated_by"]) == (False, True, "max_turns")
-    env = tir(max_episode_tokens=300)
-    _obs, _ = env.reset(seed=0)
-    _, _, term, trunc, info = act(env, code("print('x' * 500)"))
-    assert (term, trunc, info["truncated_by"]) == (False, True, "max_episode_tokens")
+    assert (term, trunc, info["truncated_by"], info["num_calls"]) == (False, True, "max_turns", 0)
+    with pytest.raises(TypeError, match="max_episode_tokens=300: MathTIREnv takes no"):
+        tir(max_episode_tokens=300)
+
+    # The run's budgets are the rollout loop's, on top of the task's rule.
+    engine = FakeEngine(tiny_tokenizer, reply=code("print('x' * 500)"))
+    env_fn = lambda: tir()
+    [t] = collect_sync(engine, env_fn, num_prompts=1, sampling=SamplingParams(max_tokens=64),
+                       max_episode_tokens=len(tir().reset(seed=0)[0]["tokens"]) + 100)
+    assert t.truncated and t.info["truncated_by"] == "max_episode_tokens"
+    assert len(t.turns) == 1 and t.info["num_calls"] == 1  # its output did not fit
+    [t] = collect_sync(engine, env_fn, num_prompts=1, sampling=SamplingParams(max_tokens=64),
+                       max_turns=2)
+    assert (len(t.turns), t.info["truncated_by"], t.info["num_calls"]) == (2, "max_turns", 2)
 
 
 def test_no_code_no_answer_gets_a_hint(tir):

@@ -42,6 +42,17 @@ def test_rollout_cli_bad_env(tmp_path, capsys):
     assert "Did you mean 'reverse'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["max_turns", "max_episode_tokens"])
+def test_budgets_below_one_name_the_flag(name):
+    from agentrl.rollout.cli import RolloutArgs
+    from agentrl.rollout.evaluate import EvalArgs
+
+    for args in (lambda **kw: RolloutArgs(env="reverse", **kw), EvalArgs):
+        with pytest.raises(ValueError, match=rf"^--{name} must be an integer >= 1 \(or unset "
+                                             rf"for no limit\), got 0$"):
+            args(**{name: 0})
+
+
 def test_engine_and_device_are_checked_before_loading(tmp_path, capsys, monkeypatch):
     import torch
 

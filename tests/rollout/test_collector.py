@@ -13,6 +13,7 @@ import agentrl  # noqa: F401 - registers the toy env ids
 from agentrl.envs import ChatEnv, ChatTokenEnv
 from agentrl.rollout import collect, collect_sync
 from agentrl.types import SamplingParams
+from servers.testing import FakeEngine
 
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=8, seed=0)
 
@@ -129,6 +130,39 @@ async def test_token_budgets(engine, tiny_tokenizer):
         assert t.info["truncated_by"] == "max_episode_tokens" and len(t.turns) >= 2
 
 
+async def test_turn_budget_ends_chat_env_episodes(tiny_tokenizer):
+    """The rollout loop owns the turn budget: a bridged chat env that would go on for 50 turns
+    ends after max_turns, truncated, without the observation no action follows."""
+    engine = FakeEngine(tiny_tokenizer, reply="12345")
+    env_fn = Recorder(lambda: gym.make("agentrl/Digits-v0", tokenizer=tiny_tokenizer, turns=50))
+    trajs = await collect(engine, env_fn, num_prompts=2, n_samples_per_prompt=2,
+                          sampling=SAMPLING, max_turns=3)
+    for t in trajs:
+        t.validate()
+        assert len(t.turns) == 3 and t.truncated and not t.terminated
+        assert t.info["truncated_by"] == "max_turns" and t.rewards == [1.0, 1.0, 1.0]
+        assert t.turns[-1].end == len(t.token_ids)  # the 4th question is not appended
+    assert len(engine.requests) == 4 * 3
+    # The bridge itself never truncated: it rendered the 4th question (question, then 3 x
+    # answer + question), which the loop dropped.
+    assert [len(env.unwrapped.messages) for env in env_fn.envs] == [7] * 4
+
+
+async def test_token_budget_caps_each_turn_then_truncates(tiny_tokenizer):
+    engine = FakeEngine(tiny_tokenizer, reply="1 2 3 4 5 6 7 8 9 10 11 12")
+    env_fn = lambda: gym.make("agentrl/Digits-v0", tokenizer=tiny_tokenizer, turns=50)
+    [free] = await collect(engine, env_fn, num_prompts=1, sampling=SAMPLING, max_turns=2)
+    budget = free.turns[1].start + 3  # room for 3 tokens in the second turn
+    engine.requests.clear()
+    [t] = await collect(engine, env_fn, num_prompts=1, sampling=SAMPLING,
+                        max_episode_tokens=budget)
+    assert t.truncated and t.info["truncated_by"] == "max_episode_tokens"
+    assert [x.end - x.start for x in t.turns] == [8, 3] and len(t.token_ids) == budget
+    assert t.token_ids == free.token_ids[:budget]
+    # Each request may sample what the turn allows, within what the episode has left.
+    assert [params.max_tokens for _, params, _ in engine.requests] == [8, 3]
+
+
 def test_collect_sync_from_a_thread(engine, tiny_tokenizer):
     out = {}
 
@@ -161,6 +195,8 @@ async def test_seeded_collection_repeats(engine, tiny_tokenizer):
         ({"n_samples_per_prompt": 0}, "n_samples_per_prompt"),
         ({"seeds": [1]}, "seeds has 1"),
         ({"max_concurrency": 0}, "max_concurrency"),
+        ({"max_turns": 0}, "max_turns must be an integer >= 1"),
+        ({"max_episode_tokens": 0}, "max_episode_tokens must be an integer >= 1"),
     ],
 )
 async def test_bad_arguments(engine, kwargs, match):

@@ -40,6 +40,8 @@ DATA_PARALLEL = ["--env", "digits", "--num_policy_workers", "2", "--rollout.mode
         (["--env", "digits", "--backend", "fsdp"], r"--backend 'fsdp' is unknown. Did you mean 'fsdp2'"),
         (["--env", "digits", "--actor.device", "gpu"], r"--actor.device 'gpu' is not a device: use auto, cpu, cuda or cuda:N"),
         (["--env", "digits", "--backend", "cpu", "--actor.device", "cuda"], r"--backend cpu .* use --backend local \(or auto\) on a GPU"),
+        (["--env", "digits", "--rollout.max_turns", "0"], r"--rollout.max_turns must be an integer >= 1 \(or unset for no limit\), got 0"),
+        (["--env", "digits", "--rollout.max_episode_tokens", "-5"], r"--rollout.max_episode_tokens must be an integer >= 1 .*got -5"),
     ],
 )
 def test_conflicting_flags_fail_before_loading(argv, match, monkeypatch):

@@ -29,7 +29,7 @@ def test_discarded_episodes_are_counted_and_never_trained_on(
     seen = []
     train = PolicyWorker.train
     monkeypatch.setattr(PolicyWorker, "train",
-                        lambda self, trajs, kl: seen.append(trajs) or train(self, trajs, kl))
+                        lambda self, trajs, *a: seen.append(trajs) or train(self, trajs, *a))
     cfg = make_cfg(replay=str(path), steps=2)
     Trainer(cfg).run()
     assert [len(t) for t in seen] == [24, 24] and not any(t.discard for b in seen for t in b)

@@ -85,7 +85,7 @@ def test_two_ranks_match_one_process(ray_cluster, make_cfg, recorded_rollouts, t
     import torch
     from transformers import AutoModelForCausalLM
 
-    from agentrl.types import load_jsonl
+    from agentrl.types import dense_group_ids, load_jsonl
     from trainers.policy import PolicyWorker
 
     trajs = load_jsonl(recorded_rollouts)
@@ -99,9 +99,10 @@ def test_two_ranks_match_one_process(ray_cluster, make_cfg, recorded_rollouts, t
     local_metrics = [local.train(b, 0.0) for b in batches]
     want = local.named_weights()
 
-    metrics = [trainer.policy.call("train", batches[0], 0.0)]
+    # The controller numbers the step's groups once; each rank gets its slice of the ids.
+    metrics = [trainer.policy.call("train", batches[0], 0.0, dense_group_ids(batches[0]))]
     first = trainer.policy.call("state_dict")
-    metrics.append(trainer.policy.call("train", batches[1], 0.0))
+    metrics.append(trainer.policy.call("train", batches[1], 0.0, dense_group_ids(batches[1])))
     got = trainer.policy.call("named_weights")
     for m, lm in zip(metrics, local_metrics, strict=True):
         assert m["loss"] == pytest.approx(lm["loss"], rel=1e-4, abs=1e-6)
