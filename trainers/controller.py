@@ -3,7 +3,8 @@
 Workers are Ray actors by default (`use_ray=False` runs the same classes in this process).
 Colocated mode: one `PolicyWorker` that also samples (its engine shares the trained module).
 Placed mode: a `PolicyWorker` without an engine plus a `RolloutWorker` that receives the new
-weights in buckets after every update; with `async_depth = K > 0` up to K rollout batches are
+weights after every update, in buckets (or, vLLM on GPUs, by NCCL broadcast from the trainer's
+rank 0: trainers/weight_sync.py); with `async_depth = K > 0` up to K rollout batches are
 sampled ahead of training, each turn recording the policy version it was sampled with.
 """
 
@@ -102,11 +103,13 @@ class Trainer:
         self._replay = iter_jsonl(cfg.replay) if cfg.replay else None
         self.policy: _Handle | None = None
         self.rollout: _Handle | None = None
+        self.weight_sync = "rpc"  # how weights reach a rollout worker (trainers/weight_sync.py)
 
     # ------------------------------------------------------------------ set-up
     def _start_workers(self) -> None:
         from trainers.policy import PolicyWorker
         from trainers.sampling import RolloutWorker
+        from trainers.weight_sync import engine_weight_transfer, weight_sync_plan
 
         cfg = self.cfg
         placed = cfg.rollout.mode == "placed"
@@ -119,7 +122,9 @@ class Trainer:
             from trainers.ray_utils import init_ray
 
             init_ray()
-            preflight(cfg, int(ray.cluster_resources().get("GPU", 0)))
+            gpus = int(ray.cluster_resources().get("GPU", 0))
+            preflight(cfg, gpus)
+            self.weight_sync = weight_sync_plan(cfg, gpus)
             rollout = placed and cfg.replay is None
             policy_opts, rollout_opts = actor_options(cfg, rollout=rollout)
             if cfg.backend in DISTRIBUTED:
@@ -143,12 +148,15 @@ class Trainer:
                 )
                 self.policy = _Handle(policy, True)
             if rollout:
-                worker = ray.remote(RolloutWorker).options(**rollout_opts).remote(cfg)
+                worker = ray.remote(RolloutWorker).options(**rollout_opts).remote(
+                    cfg, engine_weight_transfer(self.weight_sync))
                 self.rollout = _Handle(worker, True)
         else:
             import torch
 
-            preflight(cfg, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            preflight(cfg, gpus)
+            self.weight_sync = weight_sync_plan(cfg, gpus)
             self.policy = _Handle(PolicyWorker(cfg, with_engine=engine), False)
             if placed and cfg.replay is None:
                 self.rollout = _Handle(RolloutWorker(cfg), False)
@@ -349,6 +357,13 @@ class Trainer:
     def _sync_weights(self) -> None:
         if self.rollout is None or self.rollout is self.policy:
             return  # replay, or colocated: the engine already samples from the trained module
+        if self.weight_sync == "nccl":
+            # GPU to GPU: trainer rank 0 broadcasts into the engine's workers.
+            self.policy.call(  # type: ignore[union-attr]
+                "broadcast_weights", self.rollout.obj, self.step,
+                1 + self.cfg.rollout.tensor_parallel_size,
+            )
+            return
         from trainers.sampling import weight_buckets
 
         weights = self.policy.call("named_weights")  # type: ignore[union-attr]
@@ -408,9 +423,12 @@ def preflight(cfg: TrainConfig, gpus: int) -> None:
         raise ValueError(f"--actor.device {device}: no CUDA device is visible (here or in the Ray "
                          f"cluster); use --actor.device cpu, or auto to take a GPU where there is one")
     tp = cfg.rollout.tensor_parallel_size
-    if tp > 1 and tp > gpus:
+    cuda = device.startswith("cuda") or (device == "auto" and gpus > 0)
+    # On CPUs vLLM's tensor-parallel workers need CPUs of their own: checked where the engine
+    # starts (agentrl.engine.open_engine), which knows that machine.
+    if cuda and tp > gpus:
         raise ValueError(f"--rollout.tensor_parallel_size {tp} is more than the {gpus} GPUs "
-                         f"visible; use at most {max(gpus, 1)}")
+                         f"visible; use at most {gpus}")
 
 
 def _free_tcp_address() -> str:

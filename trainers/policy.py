@@ -78,6 +78,7 @@ class PolicyWorker:
         self.version = 0
         self.shared_tokens = 0  # prompt tokens not re-encoded thanks to prefix sharing
         self.engine: Any = None
+        self._broadcast: Any = None  # placed on GPUs: rank 0's end of the weight broadcast
         # The transformers engine samples from self.model itself: a weight sync is a version
         # bump. vLLM holds its own copy, loaded after every update.
         self.shares_weights = cfg.rollout.engine == "transformers"
@@ -274,6 +275,24 @@ class PolicyWorker:
         """Full policy weights on every rank (a collective under FSDP2 and ZeRO-3)."""
         return dict(self.policy.full_weights())
 
+    def broadcast_weights(
+        self, rollout: Any, version: int, world_size: int, backend: str = "nccl"
+    ) -> None:
+        """Placed mode on GPUs: every rank gathers the full weights (a collective when sharded),
+        rank 0 broadcasts them into the rollout worker's engine (trainers/weight_sync.py).
+        `world_size`: 1 + the engine's workers."""
+        weights = self.policy.full_weights()
+        if self.rank != 0:
+            for _ in weights:
+                pass
+            return
+        if self._broadcast is None:
+            from trainers.weight_sync import BroadcastSync
+
+            tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+            self._broadcast = BroadcastSync(backend, world_size, tied)
+        self._broadcast.send(rollout, weights, version)
+
     def export_hf(self, path: str) -> None:
         # Gathering sharded weights is a collective: every rank calls it.
         weights = self.named_weights() if self.cfg.num_policy_workers > 1 else None
@@ -286,6 +305,9 @@ class PolicyWorker:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        if self._broadcast is not None:
+            self._broadcast.close()
+            self._broadcast = None
 
 
 def _backend(

@@ -16,9 +16,13 @@ from trainers.config import TrainConfig
 logger = logging.getLogger(__name__)
 
 
-def make_engine(cfg: TrainConfig, model: Any, tokenizer: Any, device: torch.device) -> Any:
+def make_engine(
+    cfg: TrainConfig, model: Any, tokenizer: Any, device: torch.device,
+    weight_transfer: str | None = None,
+) -> Any:
     """The rollout engine `cfg.rollout.engine` names. transformers samples from `model` itself
-    (colocated, the module being trained); vllm loads its own copy of `cfg.actor.model`."""
+    (colocated, the module being trained); vllm loads its own copy of `cfg.actor.model` (and
+    takes broadcast weight updates with `weight_transfer`: trainers/weight_sync.py)."""
     from agentrl.engine import create_engine, open_engine
 
     ro = cfg.rollout
@@ -28,7 +32,7 @@ def make_engine(cfg: TrainConfig, model: Any, tokenizer: Any, device: torch.devi
         cfg.actor.model, engine=ro.engine, device=str(device), tokenizer=tokenizer,
         tensor_parallel_size=ro.tensor_parallel_size,
         gpu_memory_utilization=ro.gpu_memory_utilization, enable_sleep=ro.enable_sleep,
-        flag_prefix="--rollout.",
+        weight_transfer=weight_transfer, flag_prefix="--rollout.",
     )
 
 
@@ -194,9 +198,10 @@ def weight_buckets(
 
 
 class RolloutWorker:
-    """Placed mode: an engine with its own copy of the weights, updated by `update_weights`."""
+    """Placed mode: an engine with its own copy of the weights, updated by `update_weights` (or,
+    made with `weight_transfer`, by the trainer's broadcast: `weight_transfer`)."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, weight_transfer: str | None = None) -> None:
         from agentrl.backends import resolve_device
         from agentrl.models import load_model, load_tokenizer
 
@@ -207,7 +212,7 @@ class RolloutWorker:
         self.model = None
         if cfg.rollout.engine == "transformers":
             self.model = load_model(cfg.actor.model).eval().to(device)
-        self.engine = make_engine(cfg, self.model, self.tokenizer, device)
+        self.engine = make_engine(cfg, self.model, self.tokenizer, device, weight_transfer)
         self._pending: dict[str, torch.Tensor] = {}  # weight-sync buckets of the next version
 
     def collect(self, seeds: list[int], step: int) -> list[Trajectory]:
@@ -222,6 +227,13 @@ class RolloutWorker:
             pending, self._pending = self._pending, {}
             self.engine.update_weights(pending, version)
         return version
+
+    def weight_transfer(self, step: str, *args: Any) -> None:
+        """One step of a broadcast weight update that the trainer's rank 0 drives
+        (trainers/weight_sync.py; the steps: agentrl.engine.weight_broadcast.RECEIVER_STEPS)."""
+        from agentrl.engine.weight_broadcast import receive_step
+
+        receive_step(self.engine, step, *args)
 
     def evaluate(self) -> dict[str, Any]:
         return evaluate_engine(self.engine, self.cfg, self.tokenizer)

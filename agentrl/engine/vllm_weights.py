@@ -11,11 +11,17 @@ and puts back the layers no chunk touched. The three steps run in every worker t
 tensor into a bare `[dtype, shape, buffer index]` list (vllm/v1/serial_utils.py), so tensors
 travel as `(name, dtype, shape, bytes)` and are rebuilt in the worker.
 
+Broadcast updates (agentrl/engine/weight_broadcast.py) use vLLM's own weight-transfer engines
+instead; this module registers agentrl's gloo one (agentrl/engine/vllm_gloo.py) with vLLM's
+factory in each worker.
+
 This module is imported by vLLM's worker processes: it imports nothing heavy at module level.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -24,6 +30,8 @@ if TYPE_CHECKING:
     import torch
 
 WORKER_EXTENSION = "agentrl.engine.vllm_weights.WorkerExtension"
+GLOO_BACKEND = "agentrl_gloo"
+"""vLLM weight-transfer backend name of agentrl.engine.vllm_gloo.GlooWeightTransferEngine."""
 
 # A tensor as it crosses vLLM's RPC: (name, dtype name, shape, raw bytes).
 PackedTensor = tuple[str, str, list[int], bytes]
@@ -118,3 +126,23 @@ def with_tied_head(items: Iterable[tuple[str, Any]], tied: bool) -> Iterator[tup
         yield name, tensor
     if embedding is not None and not head:
         yield "lm_head.weight", embedding
+
+
+def register_weight_transfer_backends() -> None:
+    """Make agentrl's weight-transfer backend (GLOO_BACKEND) known to vLLM's
+    `WeightTransferEngineFactory` in this process (imported when first used)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    with contextlib.suppress(ValueError):  # registered already
+        WeightTransferEngineFactory.register_engine(
+            GLOO_BACKEND, "agentrl.engine.vllm_gloo", "GlooWeightTransferEngine"
+        )
+
+
+# vLLM's worker imports this module (worker_extension_cls, vllm/v1/worker/worker_base.py
+# `init_worker`) before it loads the model, which is when it creates its weight-transfer engine
+# (vllm/v1/worker/gpu_worker.py `load_model`): register it then. Without vLLM loaded (or with a
+# stand-in for it) there is nothing to register with, and this module stays light.
+if "vllm" in sys.modules:
+    with contextlib.suppress(ImportError):
+        register_weight_transfer_backends()

