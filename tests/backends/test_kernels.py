@@ -246,3 +246,19 @@ async def test_engine_decodes_with_the_kernels(module, tiny_tokenizer, prompts):
             lp_plain += b.logprobs
     assert len(lp_fast) > 30
     torch.testing.assert_close(torch.tensor(lp_fast), torch.tensor(lp_plain), rtol=0, atol=1e-4)
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_a_fresh_one_kept(tmp_path):
+    """torch waits forever on a build's lock file; a killed build leaves one behind."""
+    import os
+    import time
+
+    from agentrl.backends.cpu import kernels
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not kernels.clear_stale_lock(tmp_path) and lock.exists()  # a build may be running
+    old = time.time() - kernels.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    assert kernels.clear_stale_lock(tmp_path) and not lock.exists()
+    assert not kernels.clear_stale_lock(tmp_path)  # none there

@@ -35,6 +35,7 @@ import os
 import platform
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -105,13 +106,36 @@ def compile_sources(csrc: Path, prefix: str = "agentrl_cpu_kernels") -> Any:
     files = sorted(p for p in csrc.iterdir() if p.suffix in (".cpp", ".h"))
     paths = (csrc.resolve(), Path(torch.__file__).parent, sysconfig.get_paths()["include"])
     where = hashlib.sha256("\n".join(map(str, paths)).encode()).hexdigest()[:6]
+    from torch.utils.cpp_extension import _get_build_directory
+
+    name = f"{prefix}_{source_key(csrc)}_{where}"
+    clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
     logger.info("compiling agentrl's CPU kernels (once per machine, ~40 s)")
     return load(
-        name=f"{prefix}_{source_key(csrc)}_{where}",
+        name=name,
         sources=[str(p) for p in files if p.suffix == ".cpp"],
         extra_cflags=["-O3", "-march=native", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
     )
+
+
+STALE_LOCK_S = 600
+"""A build takes about a minute; a build lock older than this was left by a killed build."""
+
+
+def clear_stale_lock(build_dir: Path) -> bool:
+    """Remove torch's build lock if a killed build left it: torch waits on it forever, so every
+    later start would hang. True if one was removed."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_S:
+        return False
+    logger.warning("removing a build lock left by a killed build %.0f min ago: %s", age / 60, lock)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def source_key(csrc: Path = _CSRC) -> str:
