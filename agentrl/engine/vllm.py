@@ -118,7 +118,7 @@ class VLLMEngine:
         self._sleep_mode = enable_sleep
         self._asleep = False
         self.bucket_bytes = bucket_bytes
-        args = {
+        args: dict[str, Any] = {
             "model": str(model_dir(model)),
             "enable_sleep_mode": enable_sleep,
             "enable_prefix_caching": True,
@@ -322,10 +322,10 @@ class VLLMEngine:
     def _prompt(self, prompt: list[int], images: Any) -> Any:
         from vllm.inputs import TokensPrompt
 
-        inputs: dict[str, Any] = {"prompt_token_ids": prompt}
+        inputs = TokensPrompt(prompt_token_ids=prompt)
         if images:
             inputs["multi_modal_data"] = {"image": list(images)}
-        return TokensPrompt(**inputs)
+        return inputs
 
     def _to_vllm(self, params: SamplingParams, output_kind: Any) -> Any:
         from vllm import SamplingParams as VSamplingParams

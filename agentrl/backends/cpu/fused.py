@@ -124,14 +124,14 @@ def _applies(*tensors: Tensor) -> bool:
     return all(t.dtype is torch.float32 and t.device.type == "cpu" for t in tensors)
 
 
-def _rms_norm_forward(norm: nn.Module, x: Tensor) -> Tensor:
+def _rms_norm_forward(norm: Any, x: Tensor) -> Tensor:  # a Llama-style RMSNorm module
     weight = norm.weight
     if not _applies(x, weight) or weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
         return type(norm).forward(norm, x)
     return _RMSNorm.apply(x, weight, float(norm.variance_epsilon))
 
 
-def _mlp_forward(mlp: nn.Module, x: Tensor) -> Tensor:
+def _mlp_forward(mlp: Any, x: Tensor) -> Tensor:  # a Llama-style SiLU-gated MLP module
     gate, up = mlp.gate_proj(x), mlp.up_proj(x)
     if not _applies(gate, up):  # bf16 weights or autocast: the module's own arithmetic
         return mlp.down_proj(mlp.act_fn(gate) * up)

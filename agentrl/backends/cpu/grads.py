@@ -24,9 +24,11 @@ def tied_embedding_rows_in_place(model: torch.nn.Module) -> bool:
     additions; the padding row gets no gradient, as with `nn.Embedding(padding_idx=...)`. For the
     local backend only, FSDP2 and DeepSpeed owning the gradients.
     """
-    if not hasattr(model, "get_input_embeddings") or not hasattr(model, "get_output_embeddings"):
+    get_input = getattr(model, "get_input_embeddings", None)
+    get_output = getattr(model, "get_output_embeddings", None)
+    if get_input is None or get_output is None:
         return False  # not a language model (the critic's backbone keeps autograd's gradient)
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    embedding, head = get_input(), get_output()
     if type(embedding) is not torch.nn.Embedding or head is None:
         return False
     if head.weight is not embedding.weight:
@@ -34,7 +36,9 @@ def tied_embedding_rows_in_place(model: torch.nn.Module) -> bool:
     if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
         return False
     # A partial of the module (not a closure over its weight): copies of the model get their own.
-    embedding.forward = functools.partial(_embedding_rows_in_place_forward, embedding)
+    embedding.forward = functools.partial(  # type: ignore[method-assign]
+        _embedding_rows_in_place_forward, embedding
+    )
     return True
 
 

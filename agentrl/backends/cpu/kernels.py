@@ -21,8 +21,9 @@ The module is compiled on first use with `torch.utils.cpp_extension` (g++ and ni
 cached under `TORCH_EXTENSIONS_DIR`; the cache key includes the CPU's flags since it is built
 with `-march=native`). Without a compiler, everything here falls back to the torch path;
 `AGENTRL_CPU_KERNELS=0` in the environment turns the kernels off everywhere. Whether a built
-kernel is used is measured on the CPU at hand (`calibrate.py`). Results equal the torch path up to float32
-round-off (other summation orders), and each row's result does not depend on the other rows.
+kernel is used is measured on the CPU at hand (`calibrate.py`). Results equal the torch path up to
+float32 round-off (other summation orders), and each row's result does not depend on the other
+rows.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ _module = None
 _tried = False
 
 
-def module():
+def module() -> Any:
     """The compiled kernels (built on the first call), or None where they cannot be built or
     are turned off."""
     global _module, _tried
@@ -68,7 +69,7 @@ def module():
         return _module
 
 
-def _build():
+def _build() -> Any:
     try:
         return compile_sources(_CSRC)
     # No compiler or ninja (RuntimeError, CalledProcessError), a module that will not load.
