@@ -1,4 +1,4 @@
-# One-command set-up and the test command. CI (.ci/run) runs `make setup test`.
+# One-command set-up, the test command and the static checks. CI (.ci/run) runs `make lint test`.
 PY ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -36,8 +36,10 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# ruff and mypy (its settings and the packages it checks are in pyproject.toml), both pinned.
 lint: setup
-	$(BIN)/ruff check agentrl environments servers trainers benchmarks tests
+	$(BIN)/ruff check agentrl environments servers trainers
+	$(BIN)/mypy
 
 train: setup
 	$(BIN)/agentrl train --env math-tir

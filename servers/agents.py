@@ -31,25 +31,26 @@ from servers.serving import serve_in_thread
 log = logging.getLogger(__name__)
 
 TaskT = TypeVar("TaskT")
+T = TypeVar("T")
 AgentFn = Callable[[TaskT, str, str], object | Awaitable[object]]
 """(task, base_url, api_key) -> result; sync (run in a thread) or async."""
 RewardFn = Callable[[TaskT, object], float | Awaitable[float]]
 """(task, agent result) -> reward for the episode."""
 
 
-async def _maybe_await(value: object) -> object:
+async def _maybe_await(value: T | Awaitable[T]) -> T:
     return await value if inspect.isawaitable(value) else value
 
 
 @contextlib.asynccontextmanager
 async def _server(base_url: str | None, app: FastAPI | None) -> AsyncIterator[str]:
-    if (base_url is None) == (app is None):
-        raise ValueError("run_agents needs exactly one of base_url= (a running proxy) or app=")
-    if base_url is not None:
+    if base_url is not None and app is None:
         yield base_url.rstrip("/").removesuffix("/v1")
-        return
-    with serve_in_thread(app) as url:  # type: ignore[arg-type]
-        yield url
+    elif app is not None and base_url is None:
+        with serve_in_thread(app) as url:
+            yield url
+    else:
+        raise ValueError("run_agents needs exactly one of base_url= (a running proxy) or app=")
 
 
 async def run_agents(
@@ -104,7 +105,7 @@ async def run_agents(
                     if reward_fn is not None and (await http.get(f"/sessions/{sid}")).json()[
                         "num_calls"
                     ]:
-                        reward = float(await _maybe_await(reward_fn(task, result)))  # type: ignore[arg-type]
+                        reward = float(await _maybe_await(reward_fn(task, result)))
                         r = await http.post(f"/sessions/{sid}/reward", json={"reward": reward})
                         r.raise_for_status()
                 except Exception:

@@ -116,7 +116,7 @@ async def detokenize(request: Request) -> JSONResponse:
     req = parse_body(DetokenizeRequest, await request.body())
     if req.model is not None:
         check_model(state, req.model)
-    vocab = len(state.tokenizer)  # type: ignore[arg-type]
+    vocab = len(state.tokenizer)
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
         raise APIError(

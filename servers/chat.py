@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -81,12 +81,16 @@ class _Call:
             parser=parser,
         )
 
-    def logprobs(self, token_ids: list[int], lps: list[float] | None, top: object) -> dict | None:
+    def logprobs(
+        self,
+        token_ids: list[int],
+        lps: list[float] | None,
+        top: Sequence[Sequence[tuple[int, float]]] | None,
+    ) -> dict | None:
         if not self.req.logprobs:
             return None
-        entries = token_logprob_entries(
-            self.state.tokenizer, token_ids, lps, top, self.state.skip_ids  # type: ignore[arg-type]
-        )
+        entries = token_logprob_entries(self.state.tokenizer, token_ids, lps, top,
+                                        self.state.skip_ids)
         return {"content": entries, "refusal": None}
 
     def record(self, completions: list[Completion], *, aborted: bool) -> None:
@@ -215,7 +219,7 @@ async def _stream(call: _Call, request: Request) -> AsyncIterator[bytes]:
         rendered = call.rendered
         async for d in engine_stream(call.state, rendered.ids, call.params, rendered.images):
             i = d.index
-            accs[i].add(d)  # type: ignore[arg-type]
+            accs[i].add(d)
             text = texts[i]
             deltas = _event_deltas(text, text.push(d.token_ids))
             lp = call.logprobs(d.token_ids, d.logprobs, d.top_logprobs)

@@ -6,7 +6,14 @@ from __future__ import annotations
 import ipaddress
 import logging
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from servers.deps import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or args.model
     app = create_app(
         engine,
-        tokenizer,
+        # Hugging Face's stubs type the general case (batches in, lists out); the proxy calls
+        # decode on one id list and apply_chat_template without tokenizing, which give strings.
+        cast("Tokenizer", tokenizer),
         config=ProxyConfig(model_name=name, api_keys=args.api_key,
                            max_concurrency=args.max_concurrency, tool_parser=args.tool_parser),
     )
@@ -108,15 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_with_announce(server: object, announce: object) -> None:
+def _run_with_announce(server: uvicorn.Server, announce: Callable[[], Awaitable[None]]) -> None:
     import asyncio
 
     async def run() -> None:
-        task = asyncio.create_task(server.serve())  # type: ignore[attr-defined]
-        while not server.started and not task.done():  # type: ignore[attr-defined]
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if not task.done():
-            await announce()  # type: ignore[operator]
+            await announce()
         await task
 
     asyncio.run(run())

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from agentrl.types import Completion
+from agentrl.types import Completion, SamplingParams
 from servers.config import ProxyState
 from servers.errors import APIError, error_body
 from servers.generation import (
@@ -28,6 +29,9 @@ from servers.generation import (
 )
 from servers.protocol import CompletionRequest
 from servers.streaming import SSE_DONE, ChoiceText, sse
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing's own from Python 3.13
 
 router = APIRouter()
 
@@ -60,7 +64,7 @@ async def completions(request: Request) -> Response:
     if req.echo:
         raise APIError(400, "echo=true is not supported by this server; drop it", param="echo")
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+    if isinstance(prompt, list) and _is_text_list(prompt):
         if len(prompt) != 1:
             raise APIError(400, "batched prompts are not supported; send one prompt per request",
                            param="prompt")
@@ -68,10 +72,10 @@ async def completions(request: Request) -> Response:
     if isinstance(prompt, str):
         ids = state.renderer.render_text(prompt).ids
     else:
-        vocab = len(state.tokenizer)  # type: ignore[arg-type]
-        if any(not 0 <= t < vocab for t in prompt):  # type: ignore[operator]
+        vocab = len(state.tokenizer)
+        if any(not 0 <= t < vocab for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        ids = list(prompt)  # type: ignore[arg-type]
+        ids = list(prompt)
     session = bind_session(state, request)
     params = sampling_params(
         state, prompt_len=len(ids), max_tokens=req.max_new_tokens(), temperature=req.temperature,
@@ -114,7 +118,19 @@ async def completions(request: Request) -> Response:
     return JSONResponse({**head, "choices": choices, "usage": usage})
 
 
-async def _stream(state, req, ids, params, head, record) -> AsyncIterator[bytes]:
+def _is_text_list(prompt: list[int] | list[str]) -> TypeIs[list[str]]:
+    """Whether a list prompt is texts (validation keeps a list to one kind)."""
+    return bool(prompt) and isinstance(prompt[0], str)
+
+
+async def _stream(
+    state: ProxyState,
+    req: CompletionRequest,
+    ids: list[int],
+    params: SamplingParams,
+    head: dict[str, object],
+    record: Callable[[list[Completion], bool], None],
+) -> AsyncIterator[bytes]:
     texts = [ChoiceText(state.tokenizer, skip_ids=state.skip_ids, stops=params.stop)
              for _ in range(req.n)]
     accs = [Accumulator() for _ in range(req.n)]

@@ -13,6 +13,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def _loc(loc: tuple) -> str:
     return ".".join(parts)
 
 
-def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(exc: RequestValidationError | ValidationError) -> tuple[str, str | None]:
     """One readable sentence out of pydantic's error list: where, what, and what was sent."""
     errors = exc.errors()
     if not errors:

@@ -15,9 +15,9 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from agentrl.engine.base import PromptTooLongError
-from agentrl.types import Completion, Image, SamplingParams
+from agentrl.types import Completion, FinishReason, Image, SamplingParams
 from servers.config import ProxyState
-from servers.deps import StreamingEngine
+from servers.deps import StreamingEngine, TokenDelta
 from servers.errors import APIError, validation_message
 from servers.sessions import CallRecord, Session
 
@@ -196,14 +196,14 @@ class _Delta:
 
 async def engine_stream(
     state: ProxyState, prompt_ids: list[int], params: SamplingParams, images: list[Image]
-) -> AsyncIterator[_Delta]:
+) -> AsyncIterator[TokenDelta]:
     """Token deltas from the engine: native streaming if it has it, else generate-then-chunk."""
     pixels = [im.pixels for im in images] or None
     engine = state.engine
     if isinstance(engine, StreamingEngine):
         try:
             async for d in engine.generate_stream(prompt_ids, params, pixels):
-                yield d  # type: ignore[misc]
+                yield d
         except PromptTooLongError as e:
             raise APIError(400, str(e), code="context_length_exceeded") from e
         return
@@ -233,7 +233,7 @@ class Accumulator:
     finish_reason: str | None = None
     policy_version: int = 0
 
-    def add(self, d: _Delta) -> None:
+    def add(self, d: TokenDelta) -> None:
         self.token_ids.extend(d.token_ids)
         lps = d.logprobs if d.logprobs is not None else [0.0] * len(d.token_ids)
         self.logprobs.extend(float(x) for x in lps)
@@ -242,11 +242,12 @@ class Accumulator:
             self.finish_reason = d.finish_reason
 
     def completion(self) -> Completion:
-        reason = self.finish_reason if self.finish_reason in ("stop", "length") else "abort"
+        fr = self.finish_reason
+        reason: FinishReason = "stop" if fr == "stop" else "length" if fr == "length" else "abort"
         return Completion(
             token_ids=self.token_ids,
             logprobs=self.logprobs,
-            finish_reason=reason,  # type: ignore[arg-type]
+            finish_reason=reason,
             policy_version=self.policy_version,
         )
 

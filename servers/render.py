@@ -23,7 +23,7 @@ import numpy as np
 from agentrl.types import Image
 from servers.deps import ImageProcessor, Tokenizer
 from servers.errors import APIError
-from servers.protocol import ChatMessage, ToolDef
+from servers.protocol import ChatMessage, ToolCallIn, ToolDef
 
 if TYPE_CHECKING:
     Message = dict[str, object]
@@ -158,20 +158,23 @@ class ChatRenderer:
         out: dict = {"role": role}
         if m.name is not None:
             out["name"] = m.name
-        content = m.content
-        if isinstance(content, list):
-            has_image = any(p.type == "image_url" for p in content)
-            for p in content:
+        content: str | list[dict[str, str]] | None
+        if isinstance(m.content, list):
+            parts = m.content
+            has_image = any(p.type == "image_url" for p in parts)
+            for p in parts:
                 if p.type == "image_url":
                     images.append(self._decode_image(p.image_url.url))
             if self.supports_parts and not (has_image and self.processor is None):
                 content = [
                     {"type": "text", "text": p.text} if p.type == "text" else {"type": "image"}
-                    for p in content
+                    for p in parts
                 ]
             else:
                 image_text = self.processor.image_token if self.processor else ""
-                content = "".join(p.text if p.type == "text" else image_text for p in content)
+                content = "".join(p.text if p.type == "text" else image_text for p in parts)
+        else:
+            content = m.content
         calls = [_call_dict(c) for c in m.tool_calls or ()]
         if calls and not self.supports_tool_calls:
             text = content if isinstance(content, str) else ""
@@ -213,8 +216,8 @@ class ChatRenderer:
             ) from e
 
 
-def _call_dict(call: object) -> dict:
-    fn = call.function  # type: ignore[attr-defined]
+def _call_dict(call: ToolCallIn) -> dict:
+    fn = call.function
     args: object = fn.arguments
     if isinstance(args, str):
         # As vLLM does: templates (Qwen2.5, Hermes) expect a mapping and `tojson` it.
@@ -224,7 +227,7 @@ def _call_dict(call: object) -> dict:
         except json.JSONDecodeError:
             pass
     return {
-        "id": call.id or "call_0",  # type: ignore[attr-defined]
+        "id": call.id or "call_0",
         "type": "function",
         "function": {"name": fn.name, "arguments": args},
     }

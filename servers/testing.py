@@ -11,15 +11,26 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypedDict, Unpack
 
 import numpy as np
 
 from agentrl.engine.base import PromptTooLongError
-from agentrl.types import Completion, SamplingParams
+from agentrl.types import Completion, FinishReason, SamplingParams
 from servers.deps import Tokenizer
 
 Reply = Callable[[str, int], str]
 """(decoded prompt, choice index) -> the text the fake model 'samples'."""
+
+
+class FakeEngineOptions(TypedDict, total=False):
+    """`FakeEngine`'s keyword arguments."""
+
+    reply: Reply | str
+    latency_s: float
+    max_context: int
+    version: int
+    token_ids_for: Callable[[str], list[int]] | None
 
 
 def default_reply(prompt: str, choice: int) -> str:
@@ -82,8 +93,9 @@ class FakeEngine:
             if stop is not None:
                 text = text[: text.find(stop)]
             ids = self.token_ids_for(text)
-            ids = ids if stop is not None else [*ids, self.eos]
-            finish = "stop"
+            if stop is None and self.eos is not None:  # (no EOS to append without one)
+                ids = [*ids, self.eos]
+            finish: FinishReason = "stop"
             if len(ids) > params.max_tokens:
                 ids, finish = ids[: params.max_tokens], "length"
             lps = [-0.01 * (1 + t % 7) for t in ids]
@@ -126,8 +138,14 @@ class FakeEngine:
 class StreamingFakeEngine(FakeEngine):
     """Also streams: first token after `latency_s`, then one token every `token_latency_s`."""
 
-    def __init__(self, tokenizer: Tokenizer, *, token_latency_s: float = 0.0, **kw: object):
-        super().__init__(tokenizer, **kw)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        token_latency_s: float = 0.0,
+        **kw: Unpack[FakeEngineOptions],
+    ) -> None:
+        super().__init__(tokenizer, **kw)
         self.token_latency_s = token_latency_s
         self.fail_after_tokens: int | None = None
 
@@ -153,8 +171,9 @@ class StreamingFakeEngine(FakeEngine):
                     sent += 1
                     top = c.top_logprobs[j : j + 1] if c.top_logprobs else None
                     last = j == len(c.token_ids) - 1
-                    yield FakeDelta(i, c.token_ids[j : j + 1], c.logprobs[j : j + 1],  # type: ignore[index]
-                                    top, c.finish_reason if last else None, c.policy_version)
+                    lps = c.logprobs[j : j + 1] if c.logprobs is not None else None
+                    yield FakeDelta(i, c.token_ids[j : j + 1], lps, top,
+                                    c.finish_reason if last else None, c.policy_version)
                 if self.token_latency_s:
                     await asyncio.sleep(self.token_latency_s)
         except (asyncio.CancelledError, GeneratorExit):

@@ -41,7 +41,7 @@ class RolloutBatch:
     def to(self, device: torch.device) -> RolloutBatch:
         """This batch with every tensor on `device`."""
         return RolloutBatch(
-            *(getattr(self, f).to(device) for f in _TENSOR_FIELDS),
+            **{f: getattr(self, f).to(device) for f in _TENSOR_FIELDS},
             extras={k: v.to(device) for k, v in self.extras.items()},
         )
 

@@ -62,7 +62,7 @@ def _bool_flags(cls: type, prefix: str = "--") -> set[str]:
         kind = hints[f.name]
         if kind is bool:
             flags.add(prefix + f.name)
-        elif dataclasses.is_dataclass(kind):
+        elif isinstance(kind, type) and dataclasses.is_dataclass(kind):
             flags |= _bool_flags(kind, f"{prefix}{f.name}.")
     return flags
 

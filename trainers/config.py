@@ -13,7 +13,12 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_D = TypeVar("_D", bound="DataclassInstance")
 
 GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
 
@@ -367,9 +372,9 @@ def config_from_dict(d: dict, base: TrainConfig | None = None) -> TrainConfig:
     return _merge(base, d, prefix="")
 
 
-def _merge(obj: object, d: dict, prefix: str) -> object:
-    fields = {f.name: f for f in dataclasses.fields(obj)}  # type: ignore[arg-type]
-    updates = {}
+def _merge(obj: _D, d: dict, prefix: str) -> _D:
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    updates: dict[str, object] = {}
     for key, value in d.items():
         if key not in fields:
             hint = difflib.get_close_matches(key, fields, n=1)
@@ -377,12 +382,13 @@ def _merge(obj: object, d: dict, prefix: str) -> object:
             raise ValueError(f"unknown config key '{prefix}{key}'{did_you_mean}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current) and isinstance(value, dict):
+            assert not isinstance(current, type)  # a config section (an instance, not a class)
             updates[key] = _merge(current, value, prefix=f"{prefix}{key}.")
         elif isinstance(current, tuple) and isinstance(value, list):
             updates[key] = tuple(value)
         else:
             updates[key] = value
-    return dataclasses.replace(obj, **updates)  # type: ignore[type-var]
+    return dataclasses.replace(obj, **updates)
 
 
 def _check_name(flag: str, value: str, allowed: tuple[str, ...]) -> None:

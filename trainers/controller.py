@@ -10,6 +10,7 @@ sampled ahead of training, each turn recording the policy version it was sampled
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -101,9 +102,23 @@ class Trainer:
         self.bad_steps = 0
         self.queue: deque[tuple[int, Any]] = deque()
         self._replay = iter_jsonl(cfg.replay) if cfg.replay else None
-        self.policy: _Handle | None = None
+        self.policy: _Handle | _Group | None = None
         self.rollout: _Handle | None = None
         self.weight_sync = "rpc"  # how weights reach a rollout worker (trainers/weight_sync.py)
+
+    @property
+    def _policy(self) -> _Handle | _Group:
+        """The policy worker(s), once `run` has started them."""
+        if self.policy is None:
+            raise RuntimeError("the workers are not started (Trainer.run starts them)")
+        return self.policy
+
+    @property
+    def _rollout(self) -> _Handle:
+        """The worker that samples: the rollout actor, or the colocated policy worker."""
+        if self.rollout is None:
+            raise RuntimeError("no worker samples (not started, or replaying rollouts)")
+        return self.rollout
 
     # ------------------------------------------------------------------ set-up
     def _start_workers(self) -> None:
@@ -141,10 +156,12 @@ class Trainer:
                     )
                     for r, opts in enumerate(policy_opts)
                 ]
-                self.policy = _Group(ranks)  # type: ignore[assignment]
+                self.policy = _Group(ranks)
             else:
                 policy = (
-                    ray.remote(PolicyWorker).options(**policy_opts[0]).remote(cfg, with_engine=engine)
+                    ray.remote(PolicyWorker)
+                    .options(**policy_opts[0])
+                    .remote(cfg, with_engine=engine)
                 )
                 self.policy = _Handle(policy, True)
             if rollout:
@@ -161,7 +178,10 @@ class Trainer:
             if placed and cfg.replay is None:
                 self.rollout = _Handle(RolloutWorker(cfg), False)
         if self.rollout is None and cfg.replay is None:
-            self.rollout = self.policy  # colocated: the policy worker samples too
+            # Colocated: the policy worker samples too (a single one: distributed backends are
+            # placed, which the config checks).
+            assert isinstance(self.policy, _Handle)
+            self.rollout = self.policy
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any]:
@@ -192,7 +212,7 @@ class Trainer:
             if cfg.eval_problems:
                 summary["eval_after"] = self._evaluate(log, "eval_after")
             hf_dir = self.run_dir / "hf"
-            self.policy.call("export_hf", str(hf_dir))  # type: ignore[union-attr]
+            self._policy.call("export_hf", str(hf_dir))
             summary["hf_model"] = str(hf_dir)
         finally:
             log.close()
@@ -277,17 +297,17 @@ class Trainer:
     def _next_batch(self) -> tuple[list[Trajectory], float]:
         t0 = time.perf_counter()
         if self._replay is not None:
-            batch = [next(self._replay, None) for _ in range(self.cfg.rollout_batch_size)]
-            if any(t is None for t in batch):
+            batch = list(itertools.islice(self._replay, self.cfg.rollout_batch_size))
+            if len(batch) < self.cfg.rollout_batch_size:
                 raise TrainingError(f"--replay {self.cfg.replay} ran out of trajectories")
             self.data_pos += self.cfg.rollout.prompts_per_step
-            return batch, time.perf_counter() - t0  # type: ignore[return-value]
+            return batch, time.perf_counter() - t0
         depth = self.cfg.rollout.async_depth
         while len(self.queue) <= depth:
             step = self.step + len(self.queue)
-            self.queue.append((step, self.rollout.submit("collect", self._seeds(), step)))  # type: ignore[union-attr]
+            self.queue.append((step, self._rollout.submit("collect", self._seeds(), step)))
         _, future = self.queue.popleft()
-        trajs = self.rollout.result(future)  # type: ignore[union-attr]
+        trajs = self._rollout.result(future)
         if self.cfg.algo.dynamic_filter != "none":
             trajs = self._refill(self._filter(trajs))
         return trajs, time.perf_counter() - t0
@@ -316,7 +336,7 @@ class Trainer:
         for _ in range(max_rounds):
             if len(kept) >= want:
                 break
-            more = self.rollout.call("collect", self._seeds(), self.step)  # type: ignore[union-attr]
+            more = self._rollout.call("collect", self._seeds(), self.step)
             kept += self._filter(more)
         if not kept:
             raise TrainingError(
@@ -366,14 +386,14 @@ class Trainer:
             return
         from trainers.sampling import weight_buckets
 
-        weights = self.policy.call("named_weights")  # type: ignore[union-attr]
+        weights = self._policy.call("named_weights")
         buckets = list(weight_buckets(weights, self.cfg.rollout.weight_sync_bucket_mb))
         for i, bucket in enumerate(buckets):
             self.rollout.call("update_weights", bucket, self.step, i == len(buckets) - 1)
 
     def _evaluate(self, log: MetricsLogger, name: str) -> dict[str, Any]:
-        handle = self.rollout or self.policy
-        result = handle.call("evaluate")  # type: ignore[union-attr]
+        handle = self.rollout or self._policy
+        result = handle.call("evaluate")
         save_jsonl(result.pop("trajectories"), self.run_dir / f"{name}.jsonl")
         log.log(self.step, {f"{name}/{k}": v for k, v in result.items()})
         return result
@@ -381,7 +401,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
         # Rollouts already sampled ahead (async) are saved so a resume trains on them too.
-        pending = [(s, self.rollout.result(f)) for s, f in self.queue] if self.queue else []  # type: ignore[union-attr]
+        pending = [(s, self._rollout.result(f)) for s, f in self.queue] if self.queue else []
         self.queue = deque((s, _Ready(t)) for s, t in pending)
         state = {
             "step": self.step,
@@ -391,7 +411,7 @@ class Trainer:
             "queue_steps": [s for s, _ in pending],
             "queue_sizes": [len(t) for _, t in pending],
         }
-        worker_state = self.policy.call("state_dict")  # type: ignore[union-attr]
+        worker_state = self._policy.call("state_dict")
         flat = [traj for _, trajs in pending for traj in trajs]
         return save_checkpoint(self.run_dir, self.step, worker_state, state, flat)
 
@@ -400,7 +420,7 @@ class Trainer:
         if path is None:
             raise ValueError(f"--resume auto: no checkpoint in {self.run_dir / 'checkpoints'}")
         worker_state, state, queue = load_checkpoint(path)
-        self.policy.call("load_state_dict", worker_state)  # type: ignore[union-attr]
+        self._policy.call("load_state_dict", worker_state)
         self.step, self.data_pos = int(state["step"]), int(state["data_pos"])
         self.kl_coef, self.bad_steps = float(state["kl_coef"]), int(state["bad_steps"])
         it = iter(queue)
@@ -421,7 +441,8 @@ def preflight(cfg: TrainConfig, gpus: int) -> None:
     device = cfg.actor.device
     if device.startswith("cuda") and gpus == 0:
         raise ValueError(f"--actor.device {device}: no CUDA device is visible (here or in the Ray "
-                         f"cluster); use --actor.device cpu, or auto to take a GPU where there is one")
+                         f"cluster); use --actor.device cpu, or auto to take a GPU where there is "
+                         f"one")
     tp = cfg.rollout.tensor_parallel_size
     cuda = device.startswith("cuda") or (device == "auto" and gpus > 0)
     # On CPUs vLLM's tensor-parallel workers need CPUs of their own: checked where the engine

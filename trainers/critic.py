@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class ValueModel(torch.nn.Module):
     """Values per target position, `[B, T] -> [B, T-1]`; the head starts at zero."""
 
-    def __init__(self, lm: torch.nn.Module) -> None:
+    def __init__(self, lm: PreTrainedModel) -> None:
         super().__init__()
-        self.backbone = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
+        self.backbone: torch.nn.Module = (
+            lm.get_decoder() if hasattr(lm, "get_decoder") else lm.get_submodule("model")
+        )
         self.config = lm.config  # read by DeepSpeed set-up (hidden size)
         self.head = torch.nn.Linear(lm.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)

@@ -333,7 +333,7 @@ def _fill(capacity: list[int], used: list[int], count: int) -> list[int]:
 def _train_actors(train_on: list[int], ask: _Ask) -> tuple[ActorPlacement, ...]:
     """Ranks in node order; on each node they take bundles 0..k-1 (placed: their own bundles,
     colocated: the engines' bundles, which also start at 0)."""
-    actors = []
+    actors: list[ActorPlacement] = []
     for node, count in enumerate(train_on):
         for b in range(count):
             actors.append(ActorPlacement(role="train", index=len(actors), node=node,

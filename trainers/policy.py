@@ -57,7 +57,8 @@ class PolicyWorker:
         self.device = resolve_device(cfg.actor.device)
         backend = resolve_backend_name(cfg.backend, self.device)
         dist = DistSpec(rank=rank, world_size=world_size, addr=dist_addr or "",
-                        zero_stage=cfg.zero_stage, micro_batches_per_step=cfg.micro_batches_per_rank)
+                        zero_stage=cfg.zero_stage,
+                        micro_batches_per_step=cfg.micro_batches_per_rank)
         self.tokenizer = load_tokenizer(cfg.actor.model)
         self.model = load_model(cfg.actor.model, dtype=cfg.actor.dtype).train()
         if cfg.actor.gradient_checkpointing:
@@ -182,7 +183,8 @@ class PolicyWorker:
             rng.shuffle(rows)
             per_mb = batch.size // cfg.minibatches_per_step
             for m in range(cfg.minibatches_per_step):
-                for k, v in self._optimizer_step(batch, rows[m * per_mb : (m + 1) * per_mb]).items():
+                stats = self._optimizer_step(batch, rows[m * per_mb : (m + 1) * per_mb])
+                for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
         return {k: v / count for k, v in sums.items()}

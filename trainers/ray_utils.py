@@ -30,7 +30,9 @@ def init_ray(num_cpus: int | None = None) -> None:
     )
 
 
-def actor_options(cfg: TrainConfig, *, rollout: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def actor_options(
+    cfg: TrainConfig, *, rollout: bool
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Ray `.options(...)` for each policy rank and for the rollout actor (if `rollout`), from
     what the running cluster has.
 

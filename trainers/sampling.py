@@ -103,7 +103,7 @@ def collect_agent_episodes(
     picked = [tasks[s % len(tasks)] for s in seeds]
     # Agents may name the policy "agentrl" or by its model name; both are served.
     app = create_app(engine, tokenizer, config=ProxyConfig(aliases=(cfg.actor.model,)))
-    trajs = asyncio.run(
+    return asyncio.run(
         run_agents(
             agent_fn,
             picked,
@@ -114,7 +114,6 @@ def collect_agent_episodes(
             group_prefix=group_prefix(step),
         )
     )
-    return trajs
 
 
 _budget_warned = False
@@ -141,7 +140,8 @@ def load_callable(spec: str | None) -> Callable[..., Any]:
         raise ValueError(f"expected 'package.module:function', got {spec!r}")
     fn = getattr(importlib.import_module(module), attr, None)
     if not callable(fn):
-        raise ValueError(f"{spec!r} is not a callable")
+        # ValueError, not TypeError: a bad --agent.fn value, which the CLI reports as such.
+        raise ValueError(f"{spec!r} is not a callable")  # noqa: TRY004
     return fn
 
 

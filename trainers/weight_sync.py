@@ -1,12 +1,15 @@
 """How the trained weights reach the rollout engine after every update: a pure plan from the
 config, and trainer rank 0's end of the broadcast sync.
 
-| run | sync | how |
-|---|---|---|
-| colocated (any device) | `in_process` | the policy actor's own engine: the transformers engine samples from the trained module (a version bump); vLLM loads the weights through its own RPC (agentrl/engine/vllm.py) |
-| placed, CPUs (or the transformers engine, or no Ray) | `rpc` | buckets of tensors through Ray into `RolloutWorker.update_weights` |
-| placed, vLLM on GPUs under Ray | `nccl` | trainer rank 0 broadcasts each tensor straight into the engine's workers, GPU to GPU, with vLLM's weight-transfer API (agentrl/engine/weight_broadcast.py) |
-| replaying recorded rollouts, placed | `none` | no rollout worker |
+- colocated (any device) -> `in_process`: the policy actor's own engine; the transformers engine
+  samples from the trained module (a version bump), vLLM loads the weights through its own RPC
+  (agentrl/engine/vllm.py).
+- placed, on CPUs (or the transformers engine, or no Ray) -> `rpc`: buckets of tensors through
+  Ray into `RolloutWorker.update_weights`.
+- placed, vLLM on GPUs under Ray -> `nccl`: trainer rank 0 broadcasts each tensor straight into
+  the engine's workers, GPU to GPU, with vLLM's weight-transfer API
+  (agentrl/engine/weight_broadcast.py).
+- replaying recorded rollouts, placed -> `none`: no rollout worker.
 
 Without Ray the rollout worker runs in the trainer's process, on the trainer's GPU: NCCL cannot
 make a group of one GPU with itself, so that run syncs by `rpc`.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor
@@ -291,11 +291,17 @@ def logprobs_and_entropy_from_logits(
     the gather, the log-softmax backward, a stack of the sequences) writes three more
     ``[B, T, V]`` tensors, and a separate entropy computes the softmax again.
     """
-    logp_BT, ent_BT = _log_softmax_terms(logits_BTV, labels_BT, temperature, entropy=True)
-    assert ent_BT is not None
-    return logp_BT, ent_BT
+    return _log_softmax_terms(logits_BTV, labels_BT, temperature, entropy=True)
 
 
+@overload
+def _log_softmax_terms(
+    logits_BTV: Tensor, labels_BT: Tensor | None, temperature: float, *, entropy: Literal[True]
+) -> tuple[Tensor, Tensor]: ...
+@overload
+def _log_softmax_terms(
+    logits_BTV: Tensor, labels_BT: Tensor | None, temperature: float, *, entropy: bool
+) -> tuple[Tensor, Tensor | None]: ...
 def _log_softmax_terms(
     logits_BTV: Tensor, labels_BT: Tensor | None, temperature: float, *, entropy: bool
 ) -> tuple[Tensor, Tensor | None]:

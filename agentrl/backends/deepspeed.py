@@ -131,7 +131,8 @@ class DeepSpeedBackend(LocalBackend):
         """Every rank loads the full module state (under ZeRO-3 rank 0's copy is re-partitioned
         over the ranks on leaving the gather), then its own optimizer partition."""
         if self.engine is None:
-            return super().load_state_dict(state)
+            super().load_state_dict(state)
+            return
         import deepspeed
 
         module = self.engine.module

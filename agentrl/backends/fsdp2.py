@@ -10,7 +10,7 @@ the update of one process (tested). A frozen model (the reference) is sharded th
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 from torch import Tensor, nn
 
@@ -26,7 +26,8 @@ class FSDP2Backend(LocalBackend):
         from torch.distributed.fsdp import fully_shard
 
         init_process_group(self.dist.rank, self.dist.world_size, self.dist.addr, self.device)
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+        get_decoder = getattr(model, "get_decoder", None)
+        decoder = get_decoder() if get_decoder is not None else model
         for layer in getattr(decoder, "layers", []):
             fully_shard(layer)
         fully_shard(model)
@@ -84,4 +85,6 @@ class FSDP2Backend(LocalBackend):
         )
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        yield from get_model_state_dict(self.module, options=opts).items()
+        # A module's full state dict: plain tensors (DTensors gathered), nothing nested.
+        state = cast("dict[str, Tensor]", get_model_state_dict(self.module, options=opts))
+        yield from state.items()

@@ -35,14 +35,14 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Self, cast
 
 import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 
 from agentrl.engine.base import GenerationError, NamedTensors
-from agentrl.engine.kv import KV, BatchCache, PrefixCache
+from agentrl.engine.kv import KV, BatchCache, PrefixCache, filled_kv
 from agentrl.engine.requests import Request, Sample, check_request, stop_string_hit
 from agentrl.engine.sampling import sample_tokens
 from agentrl.types import Completion, CompletionDelta, SamplingParams
@@ -102,7 +102,10 @@ class TransformersEngine:
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
         if param.device != self.device:
-            model.to(self.device)
+            # Typed as nn.Module's `to` (it calls the model's own): transformers wraps its `to`
+            # with functools.wraps, which type checkers do not bind as a method.
+            module: torch.nn.Module = model
+            module.to(self.device)
         self.model = model
         self._tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -125,7 +128,7 @@ class TransformersEngine:
         self._batch: BatchCache | None = None
         self._rows: list[Sample] = []
         self._closed = self._sleeping = False
-        self.counters = collections.Counter()
+        self.counters: collections.Counter[str] = collections.Counter()
         self._worker = threading.Thread(target=self._loop, name="agentrl-engine", daemon=True)
         self._worker.start()
 
@@ -386,7 +389,7 @@ class TransformersEngine:
         # Admit in chunks: each admission is a prefill pass plus a copy of the batch cache.
         if live and free < min(waiting, max(1, self.max_batch_size // 8)):
             return []
-        admitted = []
+        admitted: list[Request] = []
         while self._pending:
             n = self._pending[0].params.n
             if n > free and (live or admitted):
@@ -475,7 +478,7 @@ class TransformersEngine:
             use_cache=True,
             logits_to_keep=1,
         )
-        cache = BatchCache([(lay.keys, lay.values) for lay in past.layers], mask)
+        cache = BatchCache(filled_kv(past), mask)
         for u, p in enumerate(prompts):
             if self.prefix_cache.max_bytes and not self.prefix_cache.covers(p):
                 self.prefix_cache.insert(p, cache.row_prefix(u))
@@ -528,11 +531,12 @@ class TransformersEngine:
         )
         tokens, lps, logp_B_V = sample_tokens(logits_B_V, temp, top_k, top_p, uniform, raw_B=raw)
         want_top = max(p.top_logprobs for p in params)
-        top_vals = top_ids = None
+        top_vals: list[list[float]] | None = None
+        top_ids: list[list[int]] | None = None
         if want_top:
             src = torch.where(raw[:, None], torch.log_softmax(logits_B_V.float(), -1), logp_B_V)
-            top_vals, top_ids = src.topk(want_top, dim=-1)
-            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+            vals_B_K, ids_B_K = src.topk(want_top, dim=-1)
+            top_vals, top_ids = vals_B_K.tolist(), ids_B_K.tolist()
         self.counters["generated_tokens"] += len(samples)
         streamed: dict[int, tuple[Request, list[CompletionDelta]]] = {}
         for i, (s, tok, lp) in enumerate(zip(samples, tokens.tolist(), lps.tolist(), strict=True)):
@@ -573,7 +577,8 @@ class TransformersEngine:
         # The stop string was absent after the previous token, so it ends in the newest one;
         # decoding a short tail is enough (a token holds at least one byte of text).
         tail = s.tokens[-(max(len(x.encode()) for x in stops) + 4) :]
-        return stop_string_hit(self._tokenizer.decode(tail, skip_special_tokens=True), stops)
+        text = cast(str, self._tokenizer.decode(tail, skip_special_tokens=True))  # one id list
+        return stop_string_hit(text, stops)
 
     def _on_sample_done(self, s: Sample) -> None:
         req = s.request

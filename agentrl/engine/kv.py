@@ -18,6 +18,7 @@ Shapes: keys/values `[B, H, T, D]` (rows, kv heads, columns, head dim); mask `[B
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -27,8 +28,22 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer (keys, values)."""
 
 
+class _FilledLayer(Protocol):
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+def filled_kv(cache: Cache) -> KV:
+    """Per layer (keys, values) of a cache a forward pass has filled: attention layers, each
+    holding tensors (transformers types them optional, for layers not written yet)."""
+    return [(layer.keys, layer.values) for layer in cast("list[_FilledLayer]", cache.layers)]
+
+
 class BufferLayer(DynamicLayer):
     """A cache layer writing new keys/values in place into a buffer with spare columns."""
+
+    keys: torch.Tensor  # set from the start (DynamicLayer's are None until the first update)
+    values: torch.Tensor
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
@@ -89,11 +104,16 @@ class BatchCache:
     def columns(self) -> int:
         return int(self.mask.shape[1])
 
+    @property
+    def layers(self) -> list[BufferLayer]:
+        """The cache's layers, all BufferLayers (built so above)."""
+        return cast("list[BufferLayer]", self.cache.layers)
+
     def kv(self) -> KV:
-        return [(layer.keys, layer.values) for layer in self.cache.layers]
+        return [(layer.keys, layer.values) for layer in self.layers]
 
     def nbytes(self) -> int:
-        return sum(lay.buf_k.nbytes + lay.buf_v.nbytes for lay in self.cache.layers)
+        return sum(lay.buf_k.nbytes + lay.buf_v.nbytes for lay in self.layers)
 
     def row_prefix(self, row: int) -> KV:
         """Contiguous copy of one row's real columns, `[1, H, L, D]` per layer."""

@@ -339,10 +339,10 @@ class VLLMEngine:
     def _prompt(self, prompt: list[int], images: Any) -> Any:
         from vllm.inputs import TokensPrompt
 
-        inputs: dict[str, Any] = {"prompt_token_ids": prompt}
+        inputs = TokensPrompt(prompt_token_ids=prompt)
         if images:
             inputs["multi_modal_data"] = {"image": list(images)}
-        return TokensPrompt(**inputs)
+        return inputs
 
     def _to_vllm(self, params: SamplingParams, output_kind: Any) -> Any:
         from vllm import SamplingParams as VSamplingParams

@@ -70,7 +70,8 @@ class TokenEnv(gym.Env):
     `reset` / `step` with the observation layout above.
     """
 
-    metadata: dict[str, Any] = {"render_modes": []}
+    # gym.Env's own declaration; a ClassVar would conflict with its instance annotation.
+    metadata: dict[str, Any] = {"render_modes": []}  # noqa: RUF012
 
     def _init_spaces(
         self, vocab_size: int, image_shape: tuple[int, int, int] = DEFAULT_IMAGE_SHAPE

@@ -20,9 +20,12 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import gymnasium as gym
+
+if TYPE_CHECKING:
+    from gymnasium.envs.registration import EnvCreator
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +70,11 @@ def register(
             f"e.g. 'agentrl/{_suggest_name(id)}-v0'"
         )
     if summary is None and not isinstance(entry_point, str):
-        summary = (inspect.getdoc(entry_point) or "").strip().splitlines()[0:1]
-        summary = summary[0] if summary else ""
-    gym.register(id=id, entry_point=make_env, kwargs={"target": entry_point, **kwargs})
+        first = (inspect.getdoc(entry_point) or "").strip().splitlines()[0:1]
+        summary = first[0] if first else ""
+    # gym calls the entry point with the spec's kwargs, which always hold `target`.
+    creator = cast("EnvCreator", make_env)
+    gym.register(id=id, entry_point=creator, kwargs={"target": entry_point, **kwargs})
     _ENVS[id] = EnvInfo(id=id, summary=summary or "", aliases=tuple(aliases))
     for alias in aliases:
         _ALIASES[alias] = id
@@ -163,7 +168,7 @@ def load_plugins() -> list[str]:
             if callable(obj) and not inspect.isclass(obj) and not inspect.ismodule(obj):
                 obj()
             loaded.append(ep.name)
-        except Exception as e:  # a third-party plugin must not break agentrl
+        except Exception as e:  # noqa: BLE001 (a third-party plugin must not break agentrl)
             logger.warning("agentrl env plugin %r (%s) failed to load: %s", ep.name, ep.value, e)
     return loaded
 

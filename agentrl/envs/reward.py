@@ -136,7 +136,8 @@ def load_reward_func(path: str | Path) -> RewardFn:
     spec.loader.exec_module(module)
     func = getattr(module, "reward_func", None)
     if not callable(func):
-        raise ValueError(f"{path} must define reward_func(queries, prompts, labels)")
+        # ValueError, not TypeError: a bad reward file, which the CLIs report as a bad value.
+        raise ValueError(f"{path} must define reward_func(queries, prompts, labels)")  # noqa: TRY004
 
     def reward_fn(prompt: Any, response: str, label: Any) -> float | dict[str, Any]:
         text = prompt if isinstance(prompt, str) else json.dumps(prompt)

@@ -11,7 +11,9 @@ import fcntl
 import importlib.metadata
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
 EMBEDDED_ALIASES = (
@@ -67,7 +69,7 @@ def embedded_dir() -> Path:
 
 
 @contextlib.contextmanager
-def _flock(f):
+def _flock(f: IO[str]) -> Iterator[None]:
     fcntl.flock(f, fcntl.LOCK_EX)
     try:
         yield

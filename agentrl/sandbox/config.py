@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 Status = Literal["ok", "error", "timeout", "oom", "output_limit", "killed", "sandbox_error"]
 STATUSES: tuple[str, ...] = ("ok", "error", "timeout", "oom", "output_limit", "killed",
@@ -100,9 +100,9 @@ class SandboxConfig:
                 raise ValueError(f"SandboxConfig.extra_ro_paths entries must be absolute host "
                                  f"paths other than / /proc /dev /tmp, got {path!r}")
 
-    def replace(self, **changes: object) -> SandboxConfig:
+    def replace(self, **changes: Any) -> SandboxConfig:
         """A copy with some fields changed (configs are never mutated)."""
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)

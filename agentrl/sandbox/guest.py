@@ -86,8 +86,10 @@ def _run_cell(source: str, namespace: dict[str, object], filename: str) -> tuple
 
 def _flush() -> None:
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        if stream is None:  # no console (sys.__stdout__ / __stderr__ may be None)
+            continue
         try:
-            stream.flush()  # type: ignore[union-attr]  # None is caught below.
+            stream.flush()
         except BaseException:  # noqa: BLE001, S110 - user code may have replaced or closed it.
             pass
 

@@ -20,10 +20,12 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from environments.math_tir.grading import parse_gold
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SPLITS = ("train", "eval")
 DIFFICULTIES = ("easy", "medium", "hard")
@@ -246,7 +248,7 @@ def load_problems(
     return tuple(problems[:num_problems] if num_problems is not None else problems)
 
 
-def _field(row: object, key: str, where: str, types: tuple[type, ...]) -> str:
+def _field(row: object, key: str, where: str, types: tuple[type[T], ...]) -> T:
     if not isinstance(row, Mapping):
         raise ValueError(  # noqa: TRY004 - a bad data file is a bad value, like a bad path
             f"{where}: expected an object with keys, got {type(row).__name__}"
@@ -266,7 +268,7 @@ def _field(row: object, key: str, where: str, types: tuple[type, ...]) -> str:
             f"{where}: key {key!r} must be {expected}, got {type(value).__name__} "
             f"{value!r:.60}"
         )
-    return value  # type: ignore[return-value]
+    return value
 
 
 def _read_rows(path: Path) -> list[tuple[str, object]]:

@@ -10,6 +10,7 @@ from typing import Any
 
 from agentrl.envs import ChatEnv
 from agentrl.envs.chat import StepResult
+from agentrl.envs.template import Message
 
 
 class DigitsEnv(ChatEnv):
@@ -20,7 +21,9 @@ class DigitsEnv(ChatEnv):
             raise ValueError(f"turns must be >= 1, got {turns}")
         self.turns, self.turn = turns, 0
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> list[Message]:
         self.turn = 0
         n = int(self.np_random.integers(1, 100))
         return [{"role": "user", "content": f"Count from {n}. Use digits only."}]

@@ -7,6 +7,7 @@ from typing import Any
 
 from agentrl.envs import ChatEnv
 from agentrl.envs.chat import StepResult
+from agentrl.envs.template import Message
 
 _INT = re.compile(r"-?\d+")
 
@@ -20,7 +21,9 @@ class GuessNumberEnv(ChatEnv):
         self.high, self.max_guesses = high, max_guesses
         self.secret, self.guesses = 0, 0
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> list[Message]:
         self.secret = int(self.np_random.integers(1, self.high + 1))
         self.guesses = 0
         prompt = (

@@ -6,6 +6,7 @@ from typing import Any
 
 from agentrl.envs import ChatEnv
 from agentrl.envs.chat import StepResult
+from agentrl.envs.template import Message
 
 WORDS = [
     "cat",
@@ -50,7 +51,9 @@ class ReverseEnv(ChatEnv):
         self.words = tuple(words)
         self.word = ""
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[list[Message], dict[str, Any]]:
         self.word = str(self.np_random.choice(self.words))
         prompt = (
             f"Reverse the letters of the word '{self.word}'. Answer with the reversed word only."

@@ -24,8 +24,9 @@ Shapes: `_B` rows, `_T` cache columns, `_V` vocabulary.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+import operator
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, NotRequired, TypedDict, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,7 @@ from agentrl.backends.cpu import kernels
 from agentrl.engine.kv import BufferLayer
 
 if TYPE_CHECKING:
-    from transformers.cache_utils import Cache
+    from transformers.cache_utils import Cache, CacheLayerMixin
 
 _PACKS_GQA = hasattr(_sdpa, "pack_gqa")
 """Whether the installed transformers' SDPA attention groups a single query's heads over the
@@ -121,7 +122,8 @@ def decode_logits(
     x = F.embedding(ids_B, plan.embed)
     cos, sin = plan.rotary(x, pos_B[:, None])
     if cpu_kernels and (mod := _kernel_module(plan, x, cache)) is not None:
-        _kernel_layers(mod, plan, x, cache, mask_B_T, cos, sin)
+        # `_kernel_module` checked that every layer is a BufferLayer.
+        _kernel_layers(mod, plan, x, cast("list[BufferLayer]", cache.layers), mask_B_T, cos, sin)
         if counters is not None:
             counters["kernel_decode_steps"] += 1
         x = _rms_norm(x, plan.norm, plan.eps)
@@ -136,7 +138,9 @@ def decode_logits(
         mask = torch.zeros(rows, 1, 1, mask_B_T.shape[1], dtype=x.dtype, device=x.device)
         mask.masked_fill_(mask_B_T[:, None, None, :] == 0, float("-inf"))
     groups = n_heads // n_kv
-    for w, layer in zip(plan.layers, cache.layers, strict=True):
+    # A Llama model's cache holds attention layers only (no linear-attention ones).
+    attn_layers = cast("list[CacheLayerMixin]", cache.layers)
+    for w, layer in zip(plan.layers, attn_layers, strict=True):
         h = _rms_norm(x, w.norm_in, w.eps_in)
         q = F.linear(h, w.q, w.q_bias).view(rows, n_heads, 1, head_dim)
         k = F.linear(h, w.k, w.k_bias).view(rows, n_kv, 1, head_dim)
@@ -186,7 +190,7 @@ def _kernel_layers(
     mod: Any,
     plan: _Plan,
     x: torch.Tensor,
-    cache: Cache,
+    cache_layers: Sequence[BufferLayer],
     mask_B_T: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -196,7 +200,7 @@ def _kernel_layers(
     live = mask_B_T.to(torch.bool).contiguous()
     cos = cos.reshape(rows, -1).contiguous()
     sin = sin.reshape(rows, -1).contiguous()
-    for w, layer in zip(plan.layers, cache.layers, strict=True):
+    for w, layer in zip(plan.layers, cache_layers, strict=True):
         layer.reserve(1)
         mod.decode_layer(
             x, w.norm_in, w.eps_in,
@@ -240,7 +244,8 @@ def _plan(model: nn.Module) -> _Plan | None:
     if (
         cfg._attn_implementation != "sdpa"
         or not getattr(cfg, "is_causal", True)
-        or (model.training and cfg.attention_dropout > 0)
+        or (model.training and cfg.attention_dropout != 0)
+        or cfg.num_key_value_heads is None  # never (LlamaConfig sets it); narrows the type
     ):
         return None
     try:
@@ -252,15 +257,17 @@ def _plan(model: nn.Module) -> _Plan | None:
         if embed.max_norm is not None or len(layers) != cfg.num_hidden_layers:
             return None
         plan = [_layer_plan(layer) for layer in layers._modules.values()]
-        attn = layers._modules["0"]._modules["self_attn"]
+        attn = _child(_child(layers, "0", _llama.LlamaDecoderLayer), "self_attn",
+                      _llama.LlamaAttention)
+        head = _params(lm_head)
         return _Plan(
-            embed._parameters["weight"],
+            _params(embed)["weight"],
             _child(inner, "rotary_emb", _llama.LlamaRotaryEmbedding),
             plan,
-            norm._parameters["weight"],
+            _params(norm)["weight"],
             norm.variance_epsilon,
-            lm_head._parameters["weight"],
-            lm_head._parameters["bias"],
+            head["weight"],
+            head["bias"],
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             attn.head_dim,
@@ -274,21 +281,21 @@ def _layer_plan(layer: nn.Module) -> _Layer:
         raise _Unsupported
     attn = _child(layer, "self_attn", _llama.LlamaAttention)
     mlp = _child(layer, "mlp", _llama.LlamaMLP)
-    n_in = _child(layer, "input_layernorm", _llama.LlamaRMSNorm)._parameters["weight"]
-    post = _child(layer, "post_attention_layernorm", _llama.LlamaRMSNorm)._parameters["weight"]
-    q, k, v, o = (_child(attn, n, nn.Linear)._parameters for n in _ATTN_PROJ)
-    gate, up, down = (_child(mlp, n, nn.Linear)._parameters for n in _MLP_PROJ)
+    n_in = _child(layer, "input_layernorm", _llama.LlamaRMSNorm)
+    post = _child(layer, "post_attention_layernorm", _llama.LlamaRMSNorm)
+    q, k, v, o = (_params(_child(attn, n, nn.Linear)) for n in _ATTN_PROJ)
+    gate, up, down = (_params(_child(mlp, n, nn.Linear)) for n in _MLP_PROJ)
     act = mlp._modules["act_fn"]
-    if _hooked(act):
+    if act is None or _hooked(act):
         raise _Unsupported
-    mods = layer._modules
+    act_fn: Callable[[torch.Tensor], torch.Tensor] = F.silu if type(act) in SILU_CLASSES else act
     return _Layer(
-        n_in, mods["input_layernorm"].variance_epsilon,
+        _params(n_in)["weight"], n_in.variance_epsilon,
         q["weight"], q["bias"], k["weight"], k["bias"], v["weight"], v["bias"], attn.scaling,
         o["weight"], o["bias"],
-        post, mods["post_attention_layernorm"].variance_epsilon,
+        _params(post)["weight"], post.variance_epsilon,
         gate["weight"], gate["bias"], up["weight"], up["bias"], down["weight"], down["bias"],
-        F.silu if type(act) in SILU_CLASSES else act,
+        act_fn,
     )  # fmt: skip
 
 
@@ -300,15 +307,36 @@ class _Unsupported(Exception):
     """A module the lean step does not reproduce exactly."""
 
 
-def _child(parent: nn.Module, name: str, cls: type[nn.Module]) -> nn.Module:
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def _child(parent: nn.Module, name: str, cls: type[_M]) -> _M:
     m = parent._modules.get(name)
     # The cpu backend's training stand-ins (fused.FusedRMSNorm, fused.FusedSwiGLUMLP,
     # grads.RowsInPlaceEmbedding) hold the replaced module's parameters under the same names
     # and say which class they replace: the step reads them as that class's.
     if m is None or (m.__dict__.get("replaces") or type(m)) is not cls or _hooked(m):
         raise _Unsupported
-    return m
+    return cast(_M, m)  # read as `cls`: checked above (or a stand-in that replaces it)
 
 
 def _hooked(m: nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks)
+
+
+class _Params(TypedDict):
+    """`_parameters` of a stock module: its weight, and its bias where it has one (None when
+    turned off). A weight replaced by a plain tensor is missing (KeyError)."""
+
+    weight: torch.Tensor
+    bias: NotRequired[torch.Tensor | None]
+
+
+if TYPE_CHECKING:
+
+    def _params(m: nn.Module) -> _Params:
+        """`m._parameters`, typed."""
+        ...
+
+else:  # a C call, not a Python one: the walk runs at every step
+    _params = operator.attrgetter("_parameters")

@@ -22,7 +22,7 @@ entropies over the vocabulary, one pass per token each way (see there).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -152,7 +152,8 @@ class FusedRMSNorm(nn.Module):
         computes exactly `LlamaRMSNorm.forward`."""
         if not _is_llama_rms_norm(norm):
             raise TypeError(f"FusedRMSNorm replaces a Llama-style RMSNorm, got {type(norm)}")
-        fused = cls(norm.weight, float(norm.variance_epsilon), type(norm))
+        weight, eps = cast(nn.Parameter, norm.weight), cast(float, norm.variance_epsilon)
+        fused = cls(weight, float(eps), type(norm))
         take_over_hooks(fused, norm)
         return fused
 
@@ -167,7 +168,7 @@ class FusedRMSNorm(nn.Module):
         ):
             # The replaced module's own arithmetic: from_module checked that its forward is
             # this code, which reads only `weight` and `variance_epsilon`.
-            return LlamaRMSNorm.forward(self, x)
+            return LlamaRMSNorm.forward(cast(LlamaRMSNorm, self), x)
         return _RMSNorm.apply(x, weight, self.variance_epsilon, mod)
 
     def extra_repr(self) -> str:
@@ -197,8 +198,12 @@ class FusedSwiGLUMLP(nn.Module):
         """The fused stand-in for `mlp`, sharing its children and hooks; TypeError unless `mlp`
         computes exactly `LlamaMLP.forward` with SiLU."""
         if not _is_gated_silu_mlp(mlp):
-            raise TypeError(f"FusedSwiGLUMLP replaces a SiLU-gated Llama-style MLP, got {type(mlp)}")
-        fused = cls(mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn, type(mlp))
+            raise TypeError(
+                f"FusedSwiGLUMLP replaces a SiLU-gated Llama-style MLP, got {type(mlp)}"
+            )
+        gate, up, down = (cast(nn.Linear, getattr(mlp, name))
+                          for name in ("gate_proj", "up_proj", "down_proj"))
+        fused = cls(gate, up, down, cast(nn.Module, mlp.act_fn), type(mlp))
         take_over_hooks(fused, mlp)
         return fused
 

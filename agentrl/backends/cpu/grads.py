@@ -26,9 +26,11 @@ def tied_embedding_rows_in_place(model: nn.Module) -> bool:
     same name: the state_dict and the tie are unchanged. For the local backend only, FSDP2 and
     DeepSpeed owning the gradients.
     """
-    if not hasattr(model, "get_input_embeddings") or not hasattr(model, "get_output_embeddings"):
+    get_input = getattr(model, "get_input_embeddings", None)
+    get_output = getattr(model, "get_output_embeddings", None)
+    if get_input is None or get_output is None:
         return False  # not a language model (the critic's backbone keeps autograd's gradient)
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    embedding, head = get_input(), get_output()
     if isinstance(embedding, RowsInPlaceEmbedding):
         return True
     if type(embedding) is not nn.Embedding or head is None:

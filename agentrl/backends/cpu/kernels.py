@@ -65,7 +65,7 @@ build_error: str | None = None
 """Why the kernels could not be built (None if they were, or were not tried)."""
 
 
-def module():
+def module() -> Any:
     """The compiled kernels (built on the first call), or None where they cannot be built or
     are turned off (`AGENTRL_CPU_KERNELS=0`)."""
     global _module, _tried
@@ -78,7 +78,7 @@ def module():
         return _module
 
 
-def _build():
+def _build() -> Any:
     global build_error
     try:
         return compile_sources(_CSRC)
