@@ -246,6 +246,9 @@ class PolicyWorker:
         return self._sampling(evaluate_engine)
 
     def _sampling(self, fn: Any, *args: Any) -> Any:
+        if self.engine is None:
+            raise RuntimeError("this policy worker has no engine (placed mode, or closed after "
+                               "the run): sample with the rollout worker or a new Trainer")
         self.engine.wake()
         self.model.eval()  # no dropout while sampling; the engine shares this module
         try:

@@ -57,10 +57,26 @@ def test_colocated_ray_run_and_dead_actor(ray_cluster, make_cfg):
     assert len([r for r in _metrics(cfg.run_dir) if "reward" in r]) == 2
     good = latest_checkpoint(cfg.run_dir)
     ray.kill(trainer.policy.obj)
+    _wait_until_dead(trainer.policy.obj)  # kill is asynchronous
     with pytest.raises(TrainingError, match="Ray worker died"):
         trainer._train_step()
     assert latest_checkpoint(cfg.run_dir) == good
     assert load_checkpoint(good)[1]["step"] == 2
+
+
+def _wait_until_dead(actor, timeout_s: float = 60.0) -> None:
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the killed actor is still alive")
 
 
 PPO = {"estimator": "gae", "critic_lr": 3e-3}
