@@ -6,7 +6,8 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-import torch
+
+from tests.trainers._logprobs import sampled_logprob_gap
 
 pytestmark = [
     pytest.mark.vllm,
@@ -16,7 +17,6 @@ pytestmark = [
 
 
 def test_vllm_samples_with_the_trained_weights(make_cfg, tiny_vllm_dir):
-    from trainers.batch import collate
     from trainers.policy import PolicyWorker
 
     cfg = make_cfg(actor={"model": tiny_vllm_dir, "lr": 1e-2},
@@ -29,20 +29,11 @@ def test_vllm_samples_with_the_trained_weights(make_cfg, tiny_vllm_dir):
         assert worker.engine.version == 1 and metrics["grad_norm"] > 0
         after = worker.collect(list(range(4, 8)), 1)
         assert all(t.policy_versions == [1] * len(t.turns) for t in after)
-        batch = collate(after, worker.pad_id)
-        n = int(batch.lengths.max())
-        sampled = batch.mask.bool()
-
-        def max_diff() -> float:
-            with torch.no_grad():
-                logp, _ = worker._logprobs(worker.policy, worker.model, batch,
-                                           (torch.arange(batch.size), n))
-            return float((logp - batch.rollout_logp).abs()[sampled].max())
-
-        assert sampled.sum() > 20 and max_diff() < 1e-4
+        gap, tokens = sampled_logprob_gap(worker, after)
+        assert tokens > 20 and gap < 1e-4
         # Under the weights before the update they differ: the sync was not a no-op.
         worker.model.load_state_dict(initial)
-        assert max_diff() > 1e-3
+        assert sampled_logprob_gap(worker, after)[0] > 1e-3
     finally:
         worker.engine.close()
 
@@ -56,9 +47,9 @@ def test_agentrl_train_with_vllm_learns(tiny_vllm_dir, tmp_path):
 
     before = _engine_processes()
     run_dir = tmp_path / "run"
-    rc = main(["train", "--env", "digits", "--rollout.engine", "vllm", "--actor.model", tiny_vllm_dir,
-               "--steps", "16", "--run_dir", str(run_dir), "--progress", "false",
-               "--tensorboard", "false"])
+    rc = main(["train", "--env", "digits", "--rollout.engine", "vllm",
+               "--actor.model", tiny_vllm_dir, "--steps", "16", "--run_dir", str(run_dir),
+               "--progress", "false", "--tensorboard", "false"])
     assert rc == 0
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward"] for r in rows if "reward" in r]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-import torch
 
+from tests.trainers._logprobs import sampled_logprob_gap
 from trainers.weight_sync import engine_weight_transfer, weight_sync_plan
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -59,7 +59,6 @@ def test_a_broadcast_sync_makes_the_rollout_engine_sample_the_trained_weights(
 ):
     """The placed-mode path of a GPU run (PolicyWorker.broadcast_weights into
     RolloutWorker.weight_transfer), in one process over gloo."""
-    from trainers.batch import collate
     from trainers.policy import PolicyWorker
     from trainers.sampling import RolloutWorker
 
@@ -78,18 +77,10 @@ def test_a_broadcast_sync_makes_the_rollout_engine_sample_the_trained_weights(
         assert rollout.version() == 2
         after = rollout.collect(list(range(4, 8)), 1)
         assert all(t.policy_versions == [2] * len(t.turns) for t in after)
-        batch = collate(after, policy.pad_id)
-        n, sampled = int(batch.lengths.max()), batch.mask.bool()
-
-        def max_diff() -> float:
-            with torch.no_grad():
-                logp, _ = policy._logprobs(policy.policy, policy.model, batch,
-                                           (torch.arange(batch.size), n))
-            return float((logp - batch.rollout_logp).abs()[sampled].max())
-
-        assert sampled.sum() > 20 and max_diff() < 1e-4
+        gap, tokens = sampled_logprob_gap(policy, after)
+        assert tokens > 20 and gap < 1e-4
         policy.model.load_state_dict(initial)
-        assert max_diff() > 1e-3  # the sync was not a no-op
+        assert sampled_logprob_gap(policy, after)[0] > 1e-3  # the sync was not a no-op
     finally:
         policy.close()
         rollout.close()
