@@ -10,8 +10,10 @@ Only stdlib and numpy are imported here: `import agentrl` must stay light.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import math
+import os
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -152,15 +154,40 @@ class Image:
             )
         self.pixels = px
 
-    def to_dict(self) -> dict:
+    @property
+    def sha256(self) -> str:
+        """Content hash (shape and pixels): the name the image is stored under."""
+        h = hashlib.sha256(f"{self.pixels.shape}".encode())
+        h.update(np.ascontiguousarray(self.pixels).tobytes())
+        return h.hexdigest()
+
+    def to_dict(self, image_dir: Path | None = None) -> dict:
+        """The image inline (base64 pixels), or with `image_dir` by its hash, its pixels saved
+        there once as `<sha256>.png`."""
         h, w, _ = self.pixels.shape
-        data = base64.b64encode(np.ascontiguousarray(self.pixels).tobytes()).decode("ascii")
-        return {"shape": [h, w, 3], "data": data, "start": self.start, "end": self.end}
+        d: dict = {"shape": [h, w, 3], "start": self.start, "end": self.end}
+        if image_dir is None:
+            d["data"] = base64.b64encode(np.ascontiguousarray(self.pixels).tobytes()).decode()
+            return d
+        d["sha256"] = digest = self.sha256
+        _save_png(self.pixels, Path(image_dir) / f"{digest}.png")
+        return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> Image:
-        raw = np.frombuffer(base64.b64decode(d["data"]), dtype=np.uint8)
-        return cls(pixels=raw.reshape(d["shape"]).copy(), start=d["start"], end=d["end"])
+    def from_dict(cls, d: dict, image_dir: Path | None = None) -> Image:
+        if "data" in d:
+            raw = np.frombuffer(base64.b64decode(d["data"]), dtype=np.uint8)
+            return cls(pixels=raw.reshape(d["shape"]).copy(), start=d["start"], end=d["end"])
+        if image_dir is None:
+            raise ValueError(f"image {d.get('sha256')} is stored by hash; load it with its "
+                             f"JSONL file (load_jsonl), which knows the images folder")
+        png = Path(image_dir) / f"{d['sha256']}.png"
+        if not png.exists():
+            raise ValueError(f"image {png} is missing (the JSONL's images/ folder travels with it)")
+        pixels = _load_png(png)
+        if list(pixels.shape) != list(d["shape"]):
+            raise ValueError(f"image {png} has shape {pixels.shape}, the record says {d['shape']}")
+        return cls(pixels=pixels, start=d["start"], end=d["end"])
 
 
 @dataclass(kw_only=True)
@@ -249,7 +276,8 @@ class Trajectory:
             if img.start >= 0 and not (0 <= img.start <= img.end <= n):
                 raise ValueError(f"Trajectory {self.uid}: image placeholder out of range")
 
-    def to_dict(self) -> dict:
+    def to_dict(self, image_dir: Path | None = None) -> dict:
+        """As JSON-ready data; images inline, or by hash with their PNGs in `image_dir`."""
         d = {
             "uid": self.uid,
             "group": self.group,
@@ -259,7 +287,7 @@ class Trajectory:
             "turns": [asdict(t) for t in self.turns],
             "terminated": bool(self.terminated),
             "truncated": bool(self.truncated),
-            "images": [im.to_dict() for im in self.images],
+            "images": [im.to_dict(image_dir) for im in self.images],
             "info": _jsonable(self.info),
         }
         if self.discard:
@@ -267,7 +295,7 @@ class Trajectory:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> Trajectory:
+    def from_dict(cls, d: dict, image_dir: Path | None = None) -> Trajectory:
         missing = {"token_ids", "loss_mask", "logprobs", "turns"} - d.keys()
         if missing:
             raise ValueError(f"not a Trajectory record: missing keys {sorted(missing)}")
@@ -278,7 +306,7 @@ class Trajectory:
             turns=[Turn(**t) for t in d["turns"]],
             terminated=bool(d.get("terminated", False)),
             truncated=bool(d.get("truncated", False)),
-            images=[Image.from_dict(x) for x in d.get("images", [])],
+            images=[Image.from_dict(x, image_dir) for x in d.get("images", [])],
             group=d.get("group"),
             uid=d.get("uid") or uuid.uuid4().hex,
             info=dict(d.get("info", {})),
@@ -287,12 +315,12 @@ class Trajectory:
         traj.validate()
         return traj
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), allow_nan=False)
+    def to_json(self, image_dir: Path | None = None) -> str:
+        return json.dumps(self.to_dict(image_dir), allow_nan=False)
 
     @classmethod
-    def from_json(cls, line: str) -> Trajectory:
-        return cls.from_dict(json.loads(line))
+    def from_json(cls, line: str, image_dir: Path | None = None) -> Trajectory:
+        return cls.from_dict(json.loads(line), image_dir)
 
 
 class TrajectoryBuilder:
@@ -385,15 +413,22 @@ def dense_group_ids(trajectories: Sequence[Trajectory]) -> list[int]:
     ]
 
 
+def image_dir_of(path: str | Path) -> Path:
+    """Where the images of a trajectories JSONL file are stored: `images/` beside it, shared
+    by the files of one folder (a run's rollouts), each image once."""
+    return Path(path).parent / "images"
+
+
 def save_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> int:
-    """Write trajectories as JSON lines (atomically: a crash leaves the old file intact)."""
+    """Write trajectories as JSON lines (atomically: a crash leaves the old file intact). Images
+    go once each, as PNG named by content hash, to `image_dir_of(path)`; lines hold the hashes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     n = 0
     with tmp.open("w") as f:
         for traj in trajectories:
-            f.write(traj.to_json() + "\n")
+            f.write(traj.to_json(image_dir_of(path) if traj.images else None) + "\n")
             n += 1
     tmp.replace(path)
     return n
@@ -405,13 +440,32 @@ def iter_jsonl(path: str | Path) -> Iterator[Trajectory]:
             if not line.strip():
                 continue
             try:
-                yield Trajectory.from_json(line)
+                yield Trajectory.from_json(line, image_dir_of(path))
             except (ValueError, TypeError, KeyError) as e:
                 raise ValueError(f"{path}:{lineno}: not a valid trajectory: {e}") from e
 
 
 def load_jsonl(path: str | Path) -> list[Trajectory]:
     return list(iter_jsonl(path))
+
+
+def _save_png(pixels: np.ndarray, path: Path) -> None:
+    """Write once (an existing file of that hash holds the same pixels); atomic."""
+    if path.exists():
+        return
+    from PIL import Image as PILImage
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    PILImage.fromarray(np.ascontiguousarray(pixels), "RGB").save(tmp, format="PNG")
+    tmp.replace(path)
+
+
+def _load_png(path: Path) -> np.ndarray:
+    from PIL import Image as PILImage
+
+    with PILImage.open(path) as im:
+        return np.asarray(im.convert("RGB"), dtype=np.uint8).copy()
 
 
 def _jsonable(obj: object) -> object:

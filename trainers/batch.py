@@ -3,17 +3,27 @@
 Token tensors are [B, T] (right-padded). Per-target tensors are [B, T-1]: position t holds what
 is known about token t+1 (its logprob is read from the logits at t). Rewards sit on the last
 policy token of each turn, so multi-turn episodes keep per-step rewards.
+
+Rows of a vision-language batch carry their images (`add_images`): the images each row's
+model input needs, the rows' cache keys (`VisionProcessor.key_ids`: image tokens stand for
+their image, so only rows with the same screenshots share a prefix) and, for mRoPE models, the
+rows' 3-D positions from the model's own rope index, as the engine computed them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from agentrl.types import Trajectory, dense_group_ids
+
+if TYPE_CHECKING:
+    from agentrl.models.vision import VisionProcessor
 
 
 @dataclass
@@ -33,6 +43,14 @@ class RolloutBatch:
     step (`agentrl.types.dense_group_ids`), so equal ids mean one group on every rank."""
     extras: dict[str, Tensor] = field(default_factory=dict)
     """Filled during the step: old_logp, ref_logp, values, advantages, returns."""
+    images: list[list[np.ndarray]] | None = None
+    """Per row, its images in order (vision-language batches; None otherwise)."""
+    spans: list[list[tuple[int, int]]] | None = None
+    """Per row, [start, end) of each image's tokens."""
+    key_ids: Tensor | None = None
+    """[B, T] `input_ids` with image tokens replaced by their image's keys."""
+    positions: Tensor | None = None
+    """[3, B, T] mRoPE positions (models with 3-D positions; None otherwise)."""
 
     @property
     def size(self) -> int:
@@ -43,6 +61,10 @@ class RolloutBatch:
         return RolloutBatch(
             **{f: getattr(self, f).to(device) for f in _TENSOR_FIELDS},
             extras={k: v.to(device) for k, v in self.extras.items()},
+            images=self.images,
+            spans=self.spans,
+            key_ids=self.key_ids.to(device) if self.key_ids is not None else None,
+            positions=self.positions.to(device) if self.positions is not None else None,
         )
 
     def micro_batches(
@@ -97,6 +119,38 @@ def collate(
     return RolloutBatch(input_ids, lengths, mask, rollout_logp, rewards, groups)
 
 
+def add_images(
+    batch: RolloutBatch, trajectories: Sequence[Trajectory], vision: VisionProcessor | None,
+    model: Any,
+) -> None:
+    """Give a collated batch its rows' images, keys and positions (see module docstring); a
+    batch without images is left as it is. `model` is the policy (its rope index)."""
+    if not any(t.images for t in trajectories):
+        return
+    if vision is None:
+        raise ValueError(
+            "the trajectories carry images but the policy is a text-only model; train them "
+            "with the vision-language model that sampled them (--actor.model)"
+        )
+    batch.images = [[im.pixels for im in t.images] for t in trajectories]
+    batch.spans = []
+    keys = batch.input_ids.clone()
+    positions = None
+    if vision.mrope:
+        positions = torch.arange(keys.shape[1]).expand(3, *keys.shape).clone()
+    for b, (t, ims) in enumerate(zip(trajectories, batch.images, strict=True)):
+        n = len(t.token_ids)
+        batch.spans.append(vision.spans(t.token_ids, ims))
+        keys[b, :n] = torch.as_tensor(vision.key_ids(t.token_ids, ims))
+        if positions is not None:
+            got = vision.positions(model, t.token_ids, ims)
+            assert got is not None
+            positions[:, b, :n] = got[0]
+    dev = batch.input_ids.device
+    batch.key_ids = keys.to(dev)
+    batch.positions = positions.to(dev) if positions is not None else None
+
+
 def length_sorted(batch: RolloutBatch, indices: Sequence[int]) -> list[int]:
     """Indices sorted by length, so micro-batches hold similar lengths (less padding)."""
     return sorted(indices, key=lambda i: int(batch.lengths[i]))
@@ -121,6 +175,10 @@ class Packed:
     transformers derives the block-diagonal causal mask from the restarting position ids."""
     index: Tensor
     """[rows, n] where token t of each row sits in the packed sequence."""
+    images: list[np.ndarray] = field(default_factory=list)
+    """The images whose tokens the packed sequence holds, in order."""
+    mrope: Tensor | None = None
+    """[3, 1, L] mRoPE positions (models with 3-D positions)."""
 
     @property
     def shared_tokens(self) -> int:
@@ -142,24 +200,40 @@ def pack(batch: RolloutBatch, idx: Tensor, n: int, *, share_prefixes: bool = Tru
     """
     rows = idx.tolist()
     lengths = [int(batch.lengths[i]) for i in rows]
+    keys = batch.key_ids if batch.key_ids is not None else batch.input_ids
     buckets: dict[int, list[int]] = {}
     for u, r in enumerate(rows):
         key = int(batch.group_ids[r]) if share_prefixes else -1 - u
         buckets.setdefault(key, []).append(u)
     ids_parts, pos_parts, seg_parts, owner_parts = [], [], [], []
+    mrope_parts: list[Tensor] = []
+    images: list[np.ndarray] = []
+
+    def take(r: int, a: int, b: int) -> None:
+        """Row r's tokens [a, b): their ids, positions and images."""
+        ids_parts.append(batch.input_ids[r, a:b])
+        pos_parts.append(torch.arange(a, b, device=dev))
+        if batch.positions is not None:
+            mrope_parts.append(batch.positions[:, r, a:b])
+        if batch.images is not None and batch.spans is not None:
+            images.extend(im for im, (s, _) in zip(batch.images[r], batch.spans[r], strict=True)
+                          if a <= s < b)
+
     dev = batch.input_ids.device
     index = torch.full((len(rows), n), -1, dtype=torch.long, device=dev)
     offset = 0
     for seg, members in enumerate(buckets.values()):
         shared = 0
         if len(members) > 1:
-            seqs = [batch.input_ids[rows[u], : lengths[u]] for u in members]
+            seqs = [keys[rows[u], : lengths[u]] for u in members]
             shared = _common_prefix(seqs)
+            if batch.spans is not None:  # never split an image between prefix and rest
+                shared = min([a for a, b in batch.spans[rows[members[0]]] if a < shared < b],
+                             default=shared)
             if shared < min_shared:
                 shared = 0
         if shared:
-            ids_parts.append(batch.input_ids[rows[members[0]], :shared])
-            pos_parts.append(torch.arange(shared, device=dev))
+            take(rows[members[0]], 0, shared)
             seg_parts.append(torch.full((shared,), seg, device=dev))
             owner_parts.append(torch.full((shared,), -1, device=dev))
             for u in members:
@@ -167,8 +241,7 @@ def pack(batch: RolloutBatch, idx: Tensor, n: int, *, share_prefixes: bool = Tru
             offset += shared
         for u in members:
             m = lengths[u] - shared
-            ids_parts.append(batch.input_ids[rows[u], shared : lengths[u]])
-            pos_parts.append(torch.arange(shared, lengths[u], device=dev))
+            take(rows[u], shared, lengths[u])
             seg_parts.append(torch.full((m,), seg, device=dev))
             owner_parts.append(torch.full((m,), u, device=dev))
             index[u, shared : lengths[u]] = torch.arange(offset, offset + m, device=dev)
@@ -182,7 +255,8 @@ def pack(batch: RolloutBatch, idx: Tensor, n: int, *, share_prefixes: bool = Tru
             & (p[None, :] <= p[:, None])
             & ((owner[None, :] == -1) | (owner[None, :] == owner[:, None]))
         )[None, None]
-    return Packed(ids, pos, mask, index)
+    mrope = torch.cat(mrope_parts, dim=1)[:, None] if mrope_parts else None
+    return Packed(ids, pos, mask, index, images, mrope)
 
 
 def _common_prefix(seqs: Sequence[Tensor]) -> int:

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from agentrl.backends import TrainBackend
 from agentrl.backends.device import autocast
+from agentrl.models.vision import VisionProcessor
 from trainers.batch import RolloutBatch, pack
 from trainers.config import TrainConfig
 
@@ -20,7 +21,7 @@ Rows = tuple[Tensor, int]
 
 def token_logprobs(
     cfg: TrainConfig, backend: TrainBackend, module: nn.Module, batch: RolloutBatch, rows: Rows,
-    *, entropy: bool = False,
+    *, entropy: bool = False, vision: VisionProcessor | None = None,
 ) -> tuple[Tensor, Tensor | None, int]:
     """Log-probs (and entropies) of the policy tokens of `rows` under `module` (what `backend`
     trains or holds), as [m, n-1] (0 elsewhere), and the prompt tokens prefix sharing saved.
@@ -30,6 +31,11 @@ def token_logprobs(
     policy token (`logits_to_keep`): prompts and observations are most of a multi-turn
     sequence, and the [tokens, vocab] logits are the largest tensors of the step. The entropy
     carries a gradient only with an entropy bonus (otherwise it is a logged metric).
+
+    A vision-language batch (`trainers.batch.add_images`) also passes the rows' images
+    (`vision`: the policy's processor) and, for mRoPE models, their 3-D positions; packed, the
+    text positions go first ([4, 1, L]) so that the model derives the per-sequence causal mask
+    from them, as it does for text.
     """
     idx, n = rows
     r, c = batch.mask[idx, : n - 1].nonzero(as_tuple=True)
@@ -39,14 +45,25 @@ def token_logprobs(
         packed = pack(batch, idx, n, share_prefixes=cfg.share_prefixes and _masks(module))
         flat = packed.index[r, c]
         inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids}
+        if packed.mrope is not None:
+            inputs["position_ids"] = torch.cat([packed.position_ids[None], packed.mrope])
         if packed.attention_mask is not None:
             inputs["attention_mask"] = packed.attention_mask
         shared = packed.shared_tokens
+        images = packed.images
     else:
         cols = torch.arange(n, device=batch.input_ids.device)
         flat = r * n + c
         inputs = {"input_ids": batch.input_ids[idx, :n],
                   "attention_mask": (cols[None, :] < batch.lengths[idx][:, None]).long()}
+        if batch.positions is not None:
+            inputs["position_ids"] = batch.positions[:, idx, :n]
+        images = [im for i in idx.tolist() for im in batch.images[i]] if batch.images else []
+    if images:
+        if vision is None:
+            raise ValueError("a batch with images needs the policy's VisionProcessor")
+        dev = batch.input_ids.device
+        inputs.update({k: t.to(dev) for k, t in vision.model_inputs(images).items()})
     with autocast(backend.device, cfg.actor.mixed_precision):
         if cfg.packing and _accepts_logits_to_keep(module):
             # Packed: one row, so the kept positions are exactly the ones we need. A view

@@ -33,7 +33,7 @@ from agentrl.backends import (
 from agentrl.backends.device import autocast
 from agentrl.backends.distributed import all_sum
 from trainers.advantages import batch_advantages
-from trainers.batch import RolloutBatch, collate, group_sorted, length_sorted
+from trainers.batch import RolloutBatch, add_images, collate, group_sorted, length_sorted
 from trainers.config import TrainConfig
 from trainers.logprobs import Rows, token_logprobs
 from trainers.losses import policy_loss, value_loss
@@ -50,6 +50,7 @@ class PolicyWorker:
         dist_addr: str | None = None,
     ) -> None:
         from agentrl.models import load_model, load_tokenizer
+        from agentrl.models.vision import vision_processor
         from trainers.critic import ValueModel
 
         torch.manual_seed(cfg.seed)
@@ -61,6 +62,13 @@ class PolicyWorker:
                         micro_batches_per_step=cfg.micro_batches_per_rank)
         self.tokenizer = load_tokenizer(cfg.actor.model)
         self.model = load_model(cfg.actor.model, dtype=cfg.actor.dtype).train()
+        self.vision = vision_processor(self.tokenizer)
+        if self.vision is not None and cfg.algo.estimator == "gae":
+            raise ValueError(
+                "--algo.estimator gae: the PPO critic does not take images yet; train a "
+                "vision-language model with group_norm (GRPO), dr_grpo, rloo, reinforce or "
+                "reinforce_baseline"
+            )
         if cfg.actor.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         # The reference model and the critic are copies of the whole model, taken before it is
@@ -98,7 +106,8 @@ class PolicyWorker:
         self, backend: TrainBackend, module: nn.Module, batch: RolloutBatch, rows: Rows,
         *, entropy: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        logp, ent, shared = token_logprobs(self.cfg, backend, module, batch, rows, entropy=entropy)
+        logp, ent, shared = token_logprobs(self.cfg, backend, module, batch, rows,
+                                           entropy=entropy, vision=self.vision)
         self.shared_tokens += shared
         return logp, ent
 
@@ -142,7 +151,9 @@ class PolicyWorker:
             held = int(getattr(self.engine, "kv_bytes", 0))
             self.engine.sleep()  # colocated: free the KV caches while training
             self.policy.release_host_memory(held)
-        batch = collate(trajectories, self.pad_id, group_ids).to(self.device)
+        batch = collate(trajectories, self.pad_id, group_ids)
+        add_images(batch, trajectories, self.vision, self.model)
+        batch = batch.to(self.device)
         if cfg.epochs_per_step * cfg.minibatches_per_step > 1 or algo.mismatch_correction != "none":
             self._fill(batch, "old_logp", self.policy)
         if self.ref is not None:

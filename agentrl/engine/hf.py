@@ -43,8 +43,15 @@ from transformers.cache_utils import DynamicCache
 
 from agentrl.engine.base import GenerationError, NamedTensors
 from agentrl.engine.kv import KV, BatchCache, PrefixCache, filled_kv
-from agentrl.engine.requests import Request, Sample, check_request, stop_string_hit
+from agentrl.engine.requests import (
+    Request,
+    Sample,
+    VisionPrompt,
+    check_request,
+    stop_string_hit,
+)
 from agentrl.engine.sampling import sample_tokens
+from agentrl.models.vision import VisionProcessor, check_image, is_vision_config, vision_processor
 from agentrl.types import Completion, CompletionDelta, SamplingParams
 
 if TYPE_CHECKING:
@@ -117,6 +124,15 @@ class TransformersEngine:
         self._max_context = int(getattr(cfg, "max_position_embeddings", 0) or 2048)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.eos_ids = _eos_ids(model, tokenizer)
+        self.vision: VisionProcessor | None = None
+        if is_vision_config(model.config):
+            self.vision = vision_processor(tokenizer)
+            if self.vision is None:
+                raise ValueError(
+                    f"{type(model).__name__} is a vision-language model, but no image processor "
+                    f"is known for tokenizer {getattr(tokenizer, 'name_or_path', '')!r}; load "
+                    f"the tokenizer from the model's directory (agentrl.models.load_tokenizer)"
+                )
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self._rng = torch.Generator().manual_seed(
             int(np.random.SeedSequence(seed).generate_state(1)[0])
@@ -221,17 +237,15 @@ class TransformersEngine:
         prompt = check_request(
             prompt_ids, params, vocab_size=self.vocab_size, max_context=self._max_context
         )
-        if images:
-            raise ValueError(
-                "this TransformersEngine serves a text-only model; images need a vision-language "
-                "model (pass images=None)"
-            )
+        vision = self._vision_prompt(prompt, images) if images else None
         if self._closed:
             raise RuntimeError("engine is closed")
         if params.max_tokens == 0:
             return None
         loop = asyncio.get_running_loop()
-        req = Request(request_id or uuid.uuid4().hex, prompt, params, loop, loop.create_future())
+        req = Request(
+            request_id or uuid.uuid4().hex, prompt, params, loop, loop.create_future(), vision
+        )
         if stream:
             req.stream = asyncio.Queue()
         with self._cv:
@@ -241,6 +255,20 @@ class TransformersEngine:
             self._pending.append(req)
             self._cv.notify_all()
         return req
+
+    def _vision_prompt(self, prompt: list[int], images: Sequence[np.ndarray]) -> VisionPrompt:
+        """Check a prompt's images against its image tokens and place them (ImageError, a
+        ValueError, when they do not fit)."""
+        if self.vision is None:
+            raise ValueError(
+                "this TransformersEngine serves a text-only model; images need a vision-language "
+                "model (pass images=None)"
+            )
+        imgs = [check_image(im) for im in images]
+        spans = self.vision.spans(prompt, imgs)
+        positions = self.vision.positions(self.model, prompt, imgs)
+        pos, offset = positions if positions is not None else (None, 0)
+        return VisionPrompt(imgs, spans, self.vision.key_ids(prompt, imgs), pos, offset)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request: its samples end with finish reason "abort" and free their slots."""
@@ -412,8 +440,11 @@ class TransformersEngine:
     def _prefill(self, requests: list[Request]) -> None:
         self.counters["admissions"] += 1
         by_prompt: dict[tuple[int, ...], list[Sample]] = {}
-        for req in requests:
-            by_prompt.setdefault(tuple(req.prompt), []).extend(self._new_samples(req))
+        first: dict[tuple[int, ...], Request] = {}
+        for req in requests:  # keyed with the images: equal token ids, other screenshots differ
+            key = tuple(req.key)
+            by_prompt.setdefault(key, []).extend(self._new_samples(req))
+            first.setdefault(key, req)
         prompts = sorted(by_prompt, key=len)
         self._prefill_shared_prefix(prompts)
         chunks: list[list[tuple[int, ...]]] = [[]]
@@ -422,7 +453,7 @@ class TransformersEngine:
                 chunks.append([])
             chunks[-1].append(p)
         for chunk in chunks:
-            cache, logits = self._prefill_chunk([list(p) for p in chunk])
+            cache, logits = self._prefill_chunk([first[p] for p in chunk])
             index = [u for u, p in enumerate(chunk) for _ in by_prompt[p]]
             samples = [s for p in chunk for s in by_prompt[p]]
             expanded = cache.select(torch.tensor(index, device=self.device))
@@ -436,31 +467,60 @@ class TransformersEngine:
     def _prefill_shared_prefix(self, prompts: list[tuple[int, ...]]) -> None:
         """Encode a long common start of an admission's prompts (a system prompt, a task
         header) once, into the prefix cache, where each prompt's own prefill then finds it:
-        encoded with the prompts, it would be encoded once per prompt."""
+        encoded with the prompts, it would be encoded once per prompt. `prompts` are cache
+        keys; the common start stops before the first image."""
         if len(prompts) < 2 or not self.prefix_cache.max_bytes:
             return
         common = list(os.path.commonprefix(prompts))
+        common = common[: next((i for i, t in enumerate(common) if t < 0), len(common))]
         saved = (len(prompts) - 1) * len(common)
         if saved < _MIN_SHARED_TOKENS_SAVED or self.prefix_cache.covers(common):
             return
         self.counters["shared_prefix_prefills"] += 1
-        self._prefill_chunk([common])
+        self._prefill_ids([common], [common], [None])
 
-    def _prefill_chunk(self, prompts: list[list[int]]) -> tuple[BatchCache, torch.Tensor]:
-        """Encode prompts (resuming cached prefixes); returns their cache and last logits."""
-        hits = [self.prefix_cache.lookup(p, len(p) - 1) for p in prompts]
+    def _prefill_chunk(self, requests: list[Request]) -> tuple[BatchCache, torch.Tensor]:
+        return self._prefill_ids(
+            [r.prompt for r in requests], [r.key for r in requests], [r.vision for r in requests]
+        )
+
+    def _prefill_ids(
+        self,
+        prompts: list[list[int]],
+        keys: list[list[int]],
+        visions: list[VisionPrompt | None],
+    ) -> tuple[BatchCache, torch.Tensor]:
+        """Encode prompts (resuming cached prefixes, looked up by their keys); returns their
+        cache and last logits. A cached prefix never ends inside an image: the images after
+        it are encoded, and their pixels passed, with the rest of the prompt."""
+        hits = [
+            _cut_at_image(self.prefix_cache.lookup(k, len(k) - 1), v)
+            for k, v in zip(keys, visions, strict=True)
+        ]
         n_cached = max(c for c, _ in hits)
         width = max(len(p) - c for p, (c, _) in zip(prompts, hits, strict=True))
         rows = len(prompts)
+        mrope = self.vision is not None and self.vision.mrope
         ids = torch.zeros(rows, width, dtype=torch.long)
         mask = torch.zeros(rows, n_cached + width, dtype=torch.long)
-        pos = torch.zeros(rows, width, dtype=torch.long)
-        for u, (p, (c, _)) in enumerate(zip(prompts, hits, strict=True)):
+        pos = torch.zeros(3, rows, width, dtype=torch.long) if mrope else torch.zeros(
+            rows, width, dtype=torch.long
+        )
+        new_images: list[np.ndarray] = []
+        for u, (p, (c, _), v) in enumerate(zip(prompts, hits, visions, strict=True)):
             suffix = p[c:]
             ids[u, width - len(suffix) :] = torch.tensor(suffix)
-            pos[u, width - len(suffix) :] = torch.arange(c, len(p))
+            if mrope:
+                pos[:, u, width - len(suffix) :] = (
+                    v.positions[:, c:] if v is not None and v.positions is not None
+                    else torch.arange(c, len(p))
+                )
+            else:
+                pos[u, width - len(suffix) :] = torch.arange(c, len(p))
             mask[u, n_cached - c : n_cached] = 1
             mask[u, n_cached + width - len(suffix) :] = 1
+            if v is not None:
+                new_images += [im for im, (a, _) in zip(v.images, v.spans, strict=True) if a >= c]
         reused = sum(c for c, _ in hits)
         self.counters["prefill_tokens"] += sum(map(len, prompts)) - reused
         self.counters["reused_tokens"] += reused
@@ -469,6 +529,13 @@ class TransformersEngine:
             past = BatchCache(prefixes, mask[:, :n_cached].to(self.device)).cache
         else:
             past = DynamicCache()
+        image_inputs: dict[str, torch.Tensor] = {}
+        if new_images:
+            assert self.vision is not None
+            self.counters["prefill_images"] += len(new_images)
+            image_inputs = {
+                k: t.to(self.device) for k, t in self.vision.model_inputs(new_images).items()
+            }
         mask = mask.to(self.device)
         out = self.model(
             input_ids=ids.to(self.device),
@@ -477,11 +544,12 @@ class TransformersEngine:
             past_key_values=past,
             use_cache=True,
             logits_to_keep=1,
+            **image_inputs,
         )
         cache = BatchCache(filled_kv(past), mask)
-        for u, p in enumerate(prompts):
-            if self.prefix_cache.max_bytes and not self.prefix_cache.covers(p):
-                self.prefix_cache.insert(p, cache.row_prefix(u))
+        for u, k in enumerate(keys):
+            if self.prefix_cache.max_bytes and not self.prefix_cache.covers(k):
+                self.prefix_cache.insert(k, cache.row_prefix(u))
         return cache, out.logits[:, -1, :]
 
     def _decode(self) -> None:
@@ -489,7 +557,9 @@ class TransformersEngine:
         assert batch is not None and batch.rows == len(self._rows)
         last = [s.tokens[-1] if s.tokens else 0 for s in self._rows]
         ids_B = torch.tensor(last, device=self.device)
-        pos_B = torch.tensor([s.length for s in self._rows], device=self.device)
+        pos_B = torch.tensor(
+            [s.length + s.request.position_offset for s in self._rows], device=self.device
+        )
         mask = torch.cat([batch.mask, torch.ones_like(batch.mask[:, :1])], dim=1)
         logits_B_V = None
         if self.decode_step is not None:
@@ -586,7 +656,7 @@ class TransformersEngine:
             # Keep prompt + completion KV: the next turn of a multi-turn episode extends it.
             row = self._rows.index(s) if s in self._rows else -1
             if row >= 0 and self._batch is not None:
-                self.prefix_cache.insert(req.prompt + s.tokens[:-1], self._batch.row_prefix(row))
+                self.prefix_cache.insert(req.key + s.tokens[:-1], self._batch.row_prefix(row))
         if all(x.done for x in req.samples):
             with self._cv:
                 self._by_id.pop(req.id, None)
@@ -651,6 +721,20 @@ def _delta(c: Completion, index: int, start: int) -> CompletionDelta:
         policy_version=c.policy_version,
         stop_reason=c.stop_reason,
     )
+
+
+def _cut_at_image(hit: tuple[int, KV | None], vision: VisionPrompt | None) -> tuple[int, KV | None]:
+    """A cached prefix shortened to the start of an image it would end inside of."""
+    c, kv = hit
+    if vision is None or kv is None:
+        return hit
+    for a, b in vision.spans:
+        if a < c < b:
+            c = a
+            break
+    if c == 0:
+        return 0, None
+    return c, [(k[:, :, :c], v[:, :, :c]) for k, v in kv]
 
 
 def _stack_prefixes(hits: list[tuple[int, KV | None]], width: int) -> KV:

@@ -12,6 +12,7 @@ from agentrl.engine.base import PromptTooLongError
 from agentrl.types import Completion, CompletionDelta, FinishReason, SamplingParams
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 
@@ -110,6 +111,8 @@ class Request:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    vision: VisionPrompt | None = None
+    """The prompt's images, for a vision-language model."""
     samples: list[Sample] = field(default_factory=list)
     aborted: bool = False
     stream: asyncio.Queue[list[CompletionDelta] | None] | None = None
@@ -139,3 +142,28 @@ class Request:
 
     def finish_all(self) -> None:
         self.resolve([s.completion() for s in self.samples])
+
+    @property
+    def key(self) -> list[int]:
+        """The prompt as caches see it: image tokens stand for their image's content."""
+        return self.vision.key if self.vision is not None else self.prompt
+
+    @property
+    def position_offset(self) -> int:
+        """Position of token i after the prompt is i + this (mRoPE models shift text after
+        images); 0 for plain positions."""
+        return self.vision.position_offset if self.vision is not None else 0
+
+
+@dataclass(eq=False)
+class VisionPrompt:
+    """A prompt's images and what the model needs to place them (`VisionProcessor`)."""
+
+    images: list[np.ndarray]
+    spans: list[tuple[int, int]]
+    """[start, end) of each image's tokens in the prompt."""
+    key: list[int]
+    """`VisionProcessor.key_ids` of the prompt."""
+    positions: torch.Tensor | None = None
+    """mRoPE position ids [3, len(prompt)], or None for plain positions."""
+    position_offset: int = 0

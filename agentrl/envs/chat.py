@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from agentrl.envs.base import Obs, TokenEnv, make_obs, validate_action
-from agentrl.envs.template import ChatTemplateBridge, Message, TemplateError
+from agentrl.envs.template import ChatTemplateBridge, Message, TemplateError, message_images
 
 StepResult = tuple[list[Message], float, bool, bool, dict[str, Any]]
 
@@ -30,9 +30,12 @@ class ChatEnv:
       `new_messages` are what the policy sees next (user / tool messages).
     - `self.np_random` is a seeded `numpy.random.Generator`, set before each `reset`.
     - `tools` (OpenAI function schemas) are rendered through the chat template.
+    - Images go in list-of-parts content, `{"type": "image", "image": uint8 HxWx3}`; a
+      screenshot env sets `image_shape` (H, W, 3), the shape of its observation space's images.
     """
 
     tools: list[dict] | None = None
+    image_shape: tuple[int, int, int] | None = None
     np_random: np.random.Generator
 
     def reset(
@@ -75,7 +78,11 @@ class ChatTokenEnv(TokenEnv):
         self.tokenizer = resolve_tokenizer(tokenizer)
         self.bridge = ChatTemplateBridge(self.tokenizer, getattr(chat_env, "tools", None))
         self.check = check_drift
-        self._init_spaces(len(self.tokenizer))
+        shape = getattr(chat_env, "image_shape", None)
+        if shape is None:
+            self._init_spaces(len(self.tokenizer))
+        else:
+            self._init_spaces(len(self.tokenizer), tuple(shape))
         self._messages: list[Message] = []
         self._tokens: list[int] = []
         self._turn = 0
@@ -105,7 +112,7 @@ class ChatTokenEnv(TokenEnv):
         self._tokens = self.bridge.prompt_ids(self._messages)
         self._turn, self._drift_events, self._done = 0, 0, False
         info = {**info, "turn": 0, "drift_events": 0}
-        return make_obs(self._tokens, _images(self._messages)), info
+        return make_obs(self._tokens, message_images(self._messages)), info
 
     def step(self, action: Any) -> tuple[Obs, float, bool, bool, dict[str, Any]]:
         if self._done:
@@ -157,7 +164,7 @@ class ChatTokenEnv(TokenEnv):
             # Never crash the episode: end it as truncated and say why.
             info["template_error"] = str(e)
             return True, [], ()
-        return False, obs_ids, _images(new)
+        return False, obs_ids, message_images(new)
 
     def _record_drift(self, info: dict[str, Any]) -> None:
         report = self.bridge.check_drift(
@@ -171,14 +178,3 @@ class ChatTokenEnv(TokenEnv):
         self.chat_env.close()
         super().close()
 
-
-def _images(messages: Sequence[Message]) -> tuple[np.ndarray, ...]:
-    """Images carried in list-of-parts content: {"type": "image", "image": uint8 HxWx3}."""
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and part.get("type") == "image" and "image" in part:
-                    out.append(np.asarray(part["image"], dtype=np.uint8))
-    return tuple(out)

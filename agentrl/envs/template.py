@@ -6,13 +6,23 @@ those pieces by rendering a fixed base conversation with and without the new mes
 templates that inject default system prompts or reformat history do not leak into the
 increment. `check_drift` compares the running token sequence with a full re-render and says
 how they differ; it never raises.
+
+Images ride in list-of-parts content (`{"type": "image", "image": uint8 HxWx3}`). The template
+renders one placeholder per image; the model's `VisionProcessor` expands each to the image's
+tokens, in the increment that carries the image, so a new screenshot appends tokens and never
+re-tokenizes earlier turns.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from agentrl.models.vision import VisionProcessor
 
 Message = dict[str, Any]
 
@@ -82,10 +92,27 @@ class ChatTemplateBridge:
             raise TemplateError("the chat template does not render assistant content verbatim")
         self.assistant_suffix = self._base_text[at + len(_CANARY) :]
         self.eos_ids = _end_of_turn_ids(tokenizer)
+        self._vision: VisionProcessor | None = None
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
         text = render_text(self.tokenizer, messages, add_generation_prompt=True, tools=self.tools)
-        return encode(self.tokenizer, text)
+        return self._expand(encode(self.tokenizer, text), message_images(messages))
+
+    def _expand(self, ids: list[int], images: Sequence[np.ndarray]) -> list[int]:
+        """Replace each image placeholder with its image's tokens (text-only: `ids`)."""
+        if not images:
+            return ids
+        if self._vision is None:
+            from agentrl.models.vision import ImageError, vision_processor
+
+            self._vision = vision_processor(self.tokenizer)
+            if self._vision is None:
+                name = getattr(self.tokenizer, "name_or_path", "")
+                raise ImageError(
+                    f"the conversation has images but {name!r} is a text-only model; use a "
+                    f"vision-language model (e.g. a Qwen2-VL directory)"
+                )
+        return self._vision.expand(ids, images)
 
     def split_action(self, action_ids: Sequence[int]) -> tuple[str, bool]:
         """Decode the policy's action to message text; say whether it closed its turn itself."""
@@ -108,7 +135,8 @@ class ChatTemplateBridge:
                 "rendering new messages changed the earlier conversation; this chat template "
                 "cannot be rendered incrementally"
             )
-        return encode(self.tokenizer, text + full[len(self._base_text) :])
+        ids = encode(self.tokenizer, text + full[len(self._base_text) :])
+        return self._expand(ids, message_images(new_messages))
 
     def _rest_of_assistant_turn(self, action_ids: Sequence[int]) -> str:
         if action_ids and action_ids[-1] in self.eos_ids:
@@ -131,13 +159,26 @@ class ChatTemplateBridge:
             text = text[: len(text) - len(self.assistant_suffix)]
             if running_ids and running_ids[-1] in self.eos_ids:
                 text += self.tokenizer.decode([running_ids[-1]], skip_special_tokens=False)
-        ids = encode(self.tokenizer, text)
+        ids = self._expand(encode(self.tokenizer, text), message_images(messages))
         if ids == list(running_ids):
             return None
         running_text = self.tokenizer.decode(list(running_ids), skip_special_tokens=False)
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)  # images expanded too
         if running_text == text:
             return DriftReport("tokenization", _first_mismatch(ids, running_ids), turn)
         return DriftReport("template", _first_mismatch_text(text, running_text), turn)
+
+
+def message_images(messages: Sequence[Message]) -> tuple[np.ndarray, ...]:
+    """Images carried in list-of-parts content: {"type": "image", "image": uint8 HxWx3}."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "image" and "image" in part:
+                    out.append(np.asarray(part["image"], dtype=np.uint8))
+    return tuple(out)
 
 
 def _end_of_turn_ids(tokenizer: Any) -> frozenset[int]:

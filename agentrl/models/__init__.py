@@ -1,8 +1,10 @@
 """Model and tokenizer loading, offline only.
 
 Names: the embedded default (`smollm2-135m-instruct`, aliases `embedded`, `default`,
-`HuggingFaceTB/SmolLM2-135M-Instruct`), `tiny` (random 2-layer test model), or a local
-directory holding a Hugging Face model. agentrl never downloads weights.
+`HuggingFaceTB/SmolLM2-135M-Instruct`), `tiny` (random 2-layer test model), `tiny-qwen2-vl` and
+`tiny-llava` (random tiny vision-language models, see `agentrl.models.vision`), or a local
+directory holding a Hugging Face model (causal LM or vision-language model). agentrl never
+downloads weights.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentrl.models.embedded import EMBEDDED_ALIASES, EMBEDDED_NAME, INSTALL_HINT
-from agentrl.models.tiny import TINY_NAME
+from agentrl.models.tiny import TINY_NAME, TINY_VLMS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -22,17 +24,19 @@ DEFAULT_MODEL = EMBEDDED_NAME
 
 def available_models() -> list[str]:
     """Model names that load without a path."""
-    return [EMBEDDED_NAME, TINY_NAME]
+    return [EMBEDDED_NAME, TINY_NAME, *TINY_VLMS]
 
 
 def _resolve(name: str) -> tuple[str, Path | None]:
-    """Return ("embedded" | "tiny" | "path", path)."""
+    """Return ("embedded" | "tiny" | "tiny-vlm" | "path", path)."""
     if name in EMBEDDED_ALIASES or name.lower() in {a.lower() for a in EMBEDDED_ALIASES}:
         from agentrl.models.embedded import embedded_dir
 
         return "embedded", embedded_dir()
     if name == TINY_NAME:
         return "tiny", None
+    if name in TINY_VLMS:
+        return "tiny-vlm", None
     path = Path(name).expanduser()
     if path.is_dir() and (path / "config.json").exists():
         return "path", path
@@ -41,7 +45,7 @@ def _resolve(name: str) -> tuple[str, Path | None]:
             f"model directory {str(path)!r} has no config.json; point --model at a directory "
             f"written by `save_pretrained` (or a checkpoint's `hf/` folder)"
         )
-    hint = difflib.get_close_matches(name, [*EMBEDDED_ALIASES, TINY_NAME], n=1)
+    hint = difflib.get_close_matches(name, [*EMBEDDED_ALIASES, *available_models()], n=1)
     did_you_mean = f" Did you mean {hint[0]!r}?" if hint else ""
     raise ValueError(
         f"unknown model {name!r}.{did_you_mean} Available without a path: "
@@ -57,6 +61,10 @@ def load_tokenizer(name: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
         from agentrl.models.tiny import tiny_tokenizer
 
         return tiny_tokenizer()
+    if kind == "tiny-vlm":
+        from agentrl.models.tiny import tiny_vlm_tokenizer
+
+        return tiny_vlm_tokenizer(name)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
@@ -66,7 +74,8 @@ def load_tokenizer(name: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
 
 
 def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "float32") -> PreTrainedModel:
-    """Load a causal LM by model name or local path, ready to train (fp32 on CPU by default)."""
+    """Load a causal LM or a vision-language model (its config has a `vision_config`) by model
+    name or local path, ready to train (fp32 by default)."""
     import torch
 
     kind, path = _resolve(name)
@@ -74,11 +83,18 @@ def load_model(name: str = DEFAULT_MODEL, *, dtype: str = "float32") -> PreTrain
         from agentrl.models.tiny import tiny_model
 
         return tiny_model()
-    from transformers import AutoModelForCausalLM
+    if kind == "tiny-vlm":
+        from agentrl.models.tiny import tiny_vlm
+
+        return tiny_vlm(name)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from agentrl.models.embedded import make_trainable
+    from agentrl.models.vision import is_vision_config
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+    vlm = is_vision_config(AutoConfig.from_pretrained(str(path)))
+    auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+    model = auto.from_pretrained(str(path), dtype=getattr(torch, dtype))
     make_trainable(model)
     return model
 

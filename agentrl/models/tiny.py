@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -122,3 +122,108 @@ def tiny_model(
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.eval()
     return model
+
+
+# ---------------------------------------------------------------- vision-language
+
+TINY_QWEN2_VL = "tiny-qwen2-vl"
+TINY_LLAVA = "tiny-llava"
+TINY_VLMS = (TINY_QWEN2_VL, TINY_LLAVA)
+_QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+
+
+def tiny_vlm_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    """The tiny tokenizer with the family's image tokens and a chat template that renders one
+    image placeholder per image part, as the family's real template does."""
+    _check_vlm_name(name)
+    tok = tiny_tokenizer()
+    if name == TINY_QWEN2_VL:
+        tok.add_special_tokens({"additional_special_tokens": _QWEN_VISION_TOKENS})
+        tok.chat_template = CHATML_TEMPLATE.replace(
+            "<image>", "<|vision_start|><|image_pad|><|vision_end|>"
+        )
+    tok.name_or_path = name
+    return tok
+
+
+def tiny_vlm_parts(name: str) -> tuple[Any, Any]:
+    """(config, image processor) of a tiny vision-language model."""
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        Qwen2VLConfig,
+    )
+
+    tok = tiny_vlm_tokenizer(name)
+    ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+           "pad_token_id": tok.pad_token_id}
+    text = {"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 2048, "tie_word_embeddings": True, **ids}
+    def token(t: str) -> int:
+        return int(cast(int, tok.convert_tokens_to_ids(t)))
+
+    if name == TINY_QWEN2_VL:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
+
+        qwen = Qwen2VLConfig(
+            text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+            vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
+                           "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                           "in_chans": 3, "mlp_ratio": 2},
+            image_token_id=token("<|image_pad|>"),
+            vision_start_token_id=token("<|vision_start|>"),
+            vision_end_token_id=token("<|vision_end|>"),
+            tie_word_embeddings=True,
+            **ids,
+        )
+        # Up to 4x4 merged tokens per image: a 112x112 screenshot is 16 image tokens.
+        qwen_processor = Qwen2VLImageProcessorPil(
+            min_pixels=28 * 28, max_pixels=112 * 112, patch_size=14, temporal_patch_size=2,
+            merge_size=2,
+        )
+        return qwen, qwen_processor
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            image_size=56, patch_size=14, projection_dim=32,
+        ).to_dict(),
+        text_config=LlamaConfig(**text).to_dict(),
+        image_token_index=token("<image>"),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=True,
+    )
+    # Every image becomes 56x56, 4x4 patches: 16 image tokens.
+    processor = LlavaImageProcessorPil(
+        size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}
+    )
+    return config, processor
+
+
+def tiny_vlm(name: str, *, seed: int = 0) -> PreTrainedModel:
+    """A randomly initialised tiny vision-language model of the family `name` names (Qwen2-VL
+    with mRoPE and variable image sizes, or LLaVA with a CLIP tower). Same seed, same weights."""
+    import torch
+    from transformers import LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration
+
+    config, _ = tiny_vlm_parts(name)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if name == TINY_QWEN2_VL:
+            model: PreTrainedModel = Qwen2VLForConditionalGeneration(config)
+        else:
+            model = LlavaForConditionalGeneration(config)
+    model.generation_config.pad_token_id = config.get_text_config().pad_token_id
+    model.eval()
+    return model
+
+
+def _check_vlm_name(name: str) -> None:
+    if name not in TINY_VLMS:
+        raise ValueError(f"{name!r} is not a tiny vision-language model; use one of {TINY_VLMS}")

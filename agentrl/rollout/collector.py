@@ -173,7 +173,7 @@ async def _episode(
         env = await call(env_fn)
         obs, info = await call(env.reset, seed=ep.seed, options=ep.options)
         info = dict(info)
-        context, images = _observe(builder, obs, [], [])
+        context, images = _observe(builder, obs, [], [], engine)
         turn = 0
         while True:
             over = budget.exhausted(turns=turn, tokens=len(context))
@@ -212,7 +212,7 @@ async def _episode(
                 # No turn left, or no room to act after this observation: end without it.
                 truncated, info["truncated_by"] = True, over
                 break
-            context, images = _observe(builder, obs, context, images)
+            context, images = _observe(builder, obs, context, images, engine)
     except Exception as e:  # an env failure ends this episode only, and it is not trained on
         if isinstance(e, GenerationError):
             raise
@@ -226,11 +226,26 @@ async def _episode(
 
 
 def _observe(
-    builder: TrajectoryBuilder, obs: dict[str, Any], context: list[int], images: list[np.ndarray]
+    builder: TrajectoryBuilder, obs: dict[str, Any], context: list[int],
+    images: list[np.ndarray], engine: Engine,
 ) -> tuple[list[int], list[np.ndarray]]:
+    """Append an observation; its images are placed where their tokens sit (the model's
+    processor tells which tokens are whose)."""
     tokens = [int(t) for t in np.asarray(obs["tokens"]).reshape(-1)]
     new_images = [np.asarray(im, dtype=np.uint8) for im in obs.get("images", ())]
-    builder.add_observation(tokens, [Image(pixels=im) for im in new_images])
+    placed = []
+    if new_images:
+        from agentrl.models.vision import ImageError, vision_processor
+
+        vision = vision_processor(getattr(engine, "tokenizer", None))
+        if vision is None:
+            raise ImageError("the environment sent images but the policy is a text-only model")
+        offset = len(context)
+        placed = [
+            Image(pixels=im, start=offset + a, end=offset + b)
+            for im, (a, b) in zip(new_images, vision.spans(tokens, new_images), strict=True)
+        ]
+    builder.add_observation(tokens, placed)
     return context + tokens, images + new_images
 
 

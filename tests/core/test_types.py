@@ -52,6 +52,31 @@ def test_jsonl_round_trip(tmp_path):
     assert b.info == {"x": 1.5, "t": [1, 2]}
 
 
+def test_jsonl_stores_each_screenshot_once_as_png_by_hash(tmp_path):
+    rng = np.random.default_rng(0)
+    screen, other = (rng.integers(0, 256, (20, 30, 3), dtype=np.uint8) for _ in range(2))
+    b = TrajectoryBuilder()
+    b.add_observation([1, 9, 9], images=[Image(pixels=screen, start=1, end=2),
+                                         Image(pixels=screen.copy(), start=2, end=3)])
+    b.add_action([4], [-0.5])
+    b.add_observation([9], images=[Image(pixels=other, start=4, end=5)])
+    b.add_action([5], [-0.1])
+    traj = b.build(terminated=True, truncated=False)
+    path = tmp_path / "rollouts" / "step_1.jsonl"
+    save_jsonl([traj, traj], path)
+    pngs = sorted(p.name for p in (tmp_path / "rollouts" / "images").iterdir())
+    assert pngs == sorted({f"{Image(pixels=screen).sha256}.png", f"{Image(pixels=other).sha256}.png"})
+    line = path.read_text().splitlines()[0]
+    assert '"data"' not in line and len(line) < 2000  # hashes, not pixels
+    back = load_jsonl(path)[1]
+    for got, want in zip(back.images, traj.images, strict=True):
+        assert np.array_equal(got.pixels, want.pixels) and (got.start, got.end) == (
+            want.start, want.end)
+    (tmp_path / "rollouts" / "images" / pngs[0]).unlink()
+    with pytest.raises(ValueError, match="missing"):
+        load_jsonl(path)
+
+
 def test_corrupt_jsonl_names_the_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(_trajectory().to_json() + "\n" + '{"token_ids": [1]}\n')

@@ -170,6 +170,11 @@ def test_chat_env_bad_reward_names_the_env(tiny_tokenizer):
 
 
 def test_images_in_messages_reach_the_observation(tiny_tokenizer):
+    """Images reach the observation with their placeholder expanded by the model's processor;
+    a text-only model refuses them with a clear error."""
+    from agentrl.models import load_tokenizer
+    from agentrl.models.vision import ImageError
+
     img = np.zeros((4, 4, 3), dtype=np.uint8)
 
     class Shot(ChatEnv):
@@ -180,10 +185,14 @@ def test_images_in_messages_reach_the_observation(tiny_tokenizer):
         def step(self, text):
             return [], 0.0, True, False, {}
 
-    env = ChatTokenEnv(Shot(), tiny_tokenizer)
+    vlm = load_tokenizer("tiny-llava")
+    env = ChatTokenEnv(Shot(), vlm)
     obs, _ = env.reset()
     assert len(obs["images"]) == 1 and obs["images"][0].shape == (4, 4, 3)
-    assert "<image>" in tiny_tokenizer.decode(obs["tokens"], skip_special_tokens=False)
+    # LLaVA's 56x56 CLIP input in 14-pixel patches: 16 image tokens stand for the image.
+    assert vlm.decode(obs["tokens"], skip_special_tokens=False).count("<image>") == 16
+    with pytest.raises(ImageError, match="text-only"):
+        ChatTokenEnv(Shot(), tiny_tokenizer).reset()
 
 
 def test_register_validates_id_and_lists_summary():

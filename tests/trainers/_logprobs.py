@@ -11,9 +11,10 @@ import torch
 def sampled_logprob_gap(worker: Any, trajectories: list) -> tuple[float, int]:
     """Largest |trainer log-prob - engine log-prob| over the sampled tokens of `trajectories`,
     under `worker`'s current weights, and how many sampled tokens that covers."""
-    from trainers.batch import collate
+    from trainers.batch import add_images, collate
 
     batch = collate(trajectories, worker.pad_id)
+    add_images(batch, trajectories, worker.vision, worker.model)
     sampled = batch.mask.bool()
     with torch.no_grad():
         logp, _ = worker._logprobs(worker.policy, worker.model, batch,

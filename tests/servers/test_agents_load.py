@@ -1,15 +1,12 @@
-"""The agent runner, images through the proxy, and many concurrent streaming sessions."""
+"""The agent runner and many concurrent streaming sessions."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import json
 import re
 
 import httpx
-import numpy as np
 import openai
 import pytest
 
@@ -72,74 +69,6 @@ def test_run_agents_sync_agent_drops_failed_episode(make_proxy):
 def test_run_agents_needs_one_target(tok):
     with pytest.raises(ValueError, match="exactly one of base_url"):
         asyncio.run(run_agents(_sync_agent, ["x"]))
-
-
-class FakeProcessor:
-    image_token = "<image>"
-
-    def __init__(self, tok):
-        self.image_token_id = tok.convert_tokens_to_ids("<image>")
-
-    def num_image_tokens(self, pixels: np.ndarray) -> int:
-        return pixels.shape[0] // 2
-
-
-def _data_url(h: int) -> str:
-    from PIL import Image as PILImage
-
-    buf = io.BytesIO()
-    PILImage.fromarray(np.full((h, 4, 3), 200, dtype=np.uint8)).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def test_images_are_recorded_with_placeholders(make_proxy, tok):
-    p = make_proxy(processor=FakeProcessor(tok))
-    c = p.client("vlm")
-    msgs = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "text", "text": "Look: "},
-                {"type": "image_url", "image_url": {"url": _data_url(6)}},
-            ],
-        }
-    ]
-    r = c.chat.completions.create(model="agentrl", messages=msgs)
-    msgs += [
-        {"role": "assistant", "content": r.choices[0].message.content},
-        {
-            "role": "user",
-            "content": [
-                {"type": "image_url", "image_url": {"url": _data_url(4)}},
-                {"type": "text", "text": "and this?"},
-            ],
-        },
-    ]
-    c.chat.completions.create(model="agentrl", messages=msgs)
-    assert p.engine.requests[-1][2] == 2  # the engine got both images
-    (traj,) = p.store.get("vlm").trajectories()
-    image_id = tok.convert_tokens_to_ids("<image>")
-    assert [(im.end - im.start, im.pixels.shape) for im in traj.images] == [
-        (3, (6, 4, 3)),
-        (2, (4, 4, 3)),
-    ]
-    for im in traj.images:
-        assert traj.token_ids[im.start : im.end] == [image_id] * (im.end - im.start)
-    back = json.loads(traj.to_json())
-    assert len(back["images"]) == 2
-
-
-def test_images_without_processor_are_refused(proxy):
-    with pytest.raises(openai.BadRequestError, match="no image processor"):
-        proxy.client().chat.completions.create(
-            model="agentrl",
-            messages=[
-                {
-                    "role": "user",
-                    "content": [{"type": "image_url", "image_url": {"url": _data_url(2)}}],
-                }
-            ],
-        )
 
 
 async def _stream_session(client: httpx.AsyncClient, i: int) -> tuple[int, str]:

