@@ -59,6 +59,18 @@ register(
     summary="Single-turn math: answer in \\boxed{}, graded with math-verify.",
     aliases=("math",),
 )
+register(
+    "agentrl/ScreenClick-v0",
+    "environments.screenshot.click:ScreenClickEnv",
+    summary="Screenshots (VLM): click the red square on 3 screens; image-blind ceiling 1/16.",
+    aliases=("screen-click",),
+)
+register(
+    "agentrl/ScreenForm-v0",
+    "environments.screenshot.form:ScreenFormEnv",
+    summary="Screenshots (VLM): read a drawn form's instructions, click fields, type, submit.",
+    aliases=("screen-form",),
+)
 
 __all__ = [
     "ChatEnv",

@@ -16,6 +16,10 @@ IDS = [e.id for e in agentrl.list_envs() if e.id.startswith("agentrl/")]
 
 
 def _make(env_id, tok):
+    if env_id.startswith("agentrl/Screen"):  # screenshots need a vision-language model
+        from agentrl.models import load_tokenizer
+
+        tok = load_tokenizer("tiny-qwen2-vl")
     try:
         return gym.make(env_id, tokenizer=tok)
     except ModuleNotFoundError as e:  # an env whose module is not in this checkout
