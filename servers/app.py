@@ -9,11 +9,13 @@ from __future__ import annotations
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from agentrl.models.vision import VisionProcessor
 from servers import chat, completions, session_routes
 from servers.config import ProxyConfig, ProxyState
-from servers.deps import GenerateEngine, ImageProcessor, Tokenizer
+from servers.deps import GenerateEngine, Tokenizer
 from servers.errors import APIError, install_error_handlers
 from servers.generation import check_model, parse_body
+from servers.images import load_images
 from servers.middleware import ProxyGuard
 from servers.protocol import DetokenizeRequest, TokenizeRequest
 from servers.sessions import InMemorySessionStore, SessionStore
@@ -26,7 +28,7 @@ def create_app(
     tokenizer: Tokenizer,
     store: SessionStore | None = None,
     *,
-    processor: ImageProcessor | None = None,
+    processor: VisionProcessor | None = None,
     config: ProxyConfig | None = None,
 ) -> FastAPI:
     """Build the proxy app.
@@ -34,7 +36,8 @@ def create_app(
     engine: anything with `max_context` and `async generate(prompt_ids, params, images)`;
         engines that also have `generate_stream` (see `servers.deps.StreamingEngine`) stream
         tokens as sampled. tokenizer: a Hugging Face tokenizer with a chat template.
-    store: where sessions live (in memory by default). processor: for vision-language models.
+    store: where sessions live (in memory by default). processor: a vision-language model's
+    (default: found from the tokenizer's model).
     """
     config = config or ProxyConfig()
     store = store if store is not None else InMemorySessionStore()
@@ -96,8 +99,11 @@ async def tokenize(request: Request) -> JSONResponse:
     if req.model is not None:
         check_model(state, req.model)
     if req.messages is not None:
+        images = await load_images(req.messages, state.config,
+                                   vision=state.renderer.processor is not None)
         rendered = state.renderer.render_chat(
-            req.messages, req.tools, add_generation_prompt=req.add_generation_prompt
+            req.messages, req.tools, add_generation_prompt=req.add_generation_prompt,
+            images=images,
         )
     else:
         rendered = state.renderer.render_text(req.prompt or "")

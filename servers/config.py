@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from servers.deps import GenerateEngine, ImageProcessor, Tokenizer
+from agentrl.models.vision import VisionProcessor, vision_processor
+from servers.deps import GenerateEngine, Tokenizer
 from servers.render import ChatRenderer
 from servers.sessions import SessionStore
 from servers.tools import ToolParserFactory, get_tool_parser
@@ -35,6 +36,14 @@ class ProxyConfig:
     """Create a session on first use of its id; if false, unknown ids get 404."""
     session_api_key_prefix: str = "session-"
     """An api key `session-<id>` binds the call to session `<id>` (when auth is off)."""
+    max_images_per_request: int = 16
+    """Most `image_url` parts one request may carry (400 beyond)."""
+    allow_image_urls: bool = False
+    """Fetch `http(s)` image URLs; off by default: only base64 `data:` URLs are accepted."""
+    image_url_max_bytes: int = 16 * 2**20
+    """Largest image fetched from a URL."""
+    image_url_timeout_s: float = 10.0
+    """Longest wait for an image URL's server."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -45,6 +54,13 @@ class ProxyConfig:
                 f"{self.max_concurrency} and {self.max_session_concurrency}"
             )
         get_tool_parser(self.tool_parser)
+        if self.max_images_per_request < 0 or self.image_url_max_bytes < 1 or not (
+            self.image_url_timeout_s > 0
+        ):
+            raise ValueError(
+                "max_images_per_request must be >= 0, image_url_max_bytes >= 1 and "
+                "image_url_timeout_s > 0"
+            )
 
 
 @dataclass
@@ -66,8 +82,12 @@ class ProxyState:
         tokenizer: Tokenizer,
         store: SessionStore,
         config: ProxyConfig,
-        processor: ImageProcessor | None,
+        processor: VisionProcessor | None,
     ) -> ProxyState:
+        """`processor`: the vision-language model's; default: the one the tokenizer's model
+        has (none for a text-only model)."""
+        if processor is None:
+            processor = vision_processor(tokenizer)
         special = set(getattr(tokenizer, "all_special_ids", ()) or ())
         return cls(
             engine=engine,

@@ -71,19 +71,3 @@ class Tokenizer(Protocol):
     def apply_chat_template(self, conversation: list, **kwargs: object) -> str: ...
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
-
-
-class ImageProcessor(Protocol):
-    """How images become placeholder tokens for a vision-language model."""
-
-    @property
-    def image_token(self) -> str:
-        """The text the chat template (or the flattened content) uses for one image."""
-        ...
-
-    @property
-    def image_token_id(self) -> int: ...
-
-    def num_image_tokens(self, pixels: np.ndarray) -> int:
-        """How many placeholder ids this (H, W, 3) uint8 image takes in the prompt."""
-        ...

@@ -4,24 +4,23 @@ Templates differ in what they understand. At start-up the renderer probes the te
 does it render `tools`, assistant `tool_calls`, list-of-parts content? Whatever it cannot render
 is rewritten into what it can, in the Hermes/Qwen convention the tool parser reads back:
 tool schemas folded into the system message, tool calls as `<tool_call>{json}</tool_call>`
-text, tool results as `<tool_response>` user turns. Images become the processor's image token,
-expanded to as many placeholder ids as the processor says.
+text, tool results as `<tool_response>` user turns. Images (decoded beforehand by
+`servers.images.load_images`) become the template's placeholder, expanded by the model's
+`VisionProcessor` exactly as for environments.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from agentrl.models.vision import ImageError, VisionProcessor
 from agentrl.types import Image
-from servers.deps import ImageProcessor, Tokenizer
+from servers.deps import Tokenizer
 from servers.errors import APIError
 from servers.protocol import ChatMessage, ToolCallIn, ToolDef
 
@@ -51,7 +50,7 @@ class Rendered:
 class ChatRenderer:
     """Renders chat requests for one tokenizer (and optional image processor)."""
 
-    def __init__(self, tokenizer: Tokenizer, processor: ImageProcessor | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, processor: VisionProcessor | None = None) -> None:
         self.tokenizer = tokenizer
         self.processor = processor
         self.supports_tools = self._probe(
@@ -95,9 +94,11 @@ class ChatRenderer:
         tools: Sequence[ToolDef] | None,
         *,
         add_generation_prompt: bool = True,
+        images: Sequence[np.ndarray] = (),
     ) -> Rendered:
-        images: list[np.ndarray] = []
-        msgs = [self._message(m, images) for m in messages]
+        """`images`: the pixels of the messages' image_url parts, in order."""
+        it = iter(images)
+        msgs = [self._message(m, it) for m in messages]
         tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         if tool_dicts and not self.supports_tools:
             msgs = _fold_tools(msgs, tool_dicts)
@@ -112,7 +113,7 @@ class ChatRenderer:
                 f"the model's chat template cannot render these messages: {e}",
                 param="messages",
             ) from e
-        return self._encode(str(text), images)
+        return self._encode(str(text), list(images))
 
     def encode(self, text: str) -> list[int]:
         # The Rust tokenizer directly: the Python wrapper costs ~0.2 ms a call, per request.
@@ -128,32 +129,20 @@ class ChatRenderer:
         ids = self.encode(text)
         if not pixels:
             return Rendered(ids=ids)
-        assert self.processor is not None  # _message rejects images without a processor
-        token = self.processor.image_token_id
-        out: list[int] = []
-        placed: list[Image] = []
-        it = iter(pixels)
-        for tid in ids:
-            if tid != token:
-                out.append(tid)
-                continue
-            px = next(it, None)
-            if px is None:  # more placeholders than images: the text itself contained one
-                out.append(tid)
-                continue
-            k = self.processor.num_image_tokens(px)
-            placed.append(Image(pixels=px, start=len(out), end=len(out) + k))
-            out.extend([token] * k)
-        if len(placed) != len(pixels):
+        assert self.processor is not None  # load_images refuses images without a processor
+        try:
+            out = self.processor.expand(ids, pixels)
+            spans = self.processor.spans(out, pixels)
+        except ImageError as e:
             raise APIError(
-                400,
-                f"{len(pixels)} image(s) sent but the chat template placed {len(placed)} image "
-                f"token(s); this template does not render image parts",
+                400, f"{e} (the message text may itself contain an image placeholder)",
                 param="messages",
-            )
+            ) from None
+        placed = [Image(pixels=px, start=a, end=b)
+                  for px, (a, b) in zip(pixels, spans, strict=True)]
         return Rendered(ids=out, images=placed)
 
-    def _message(self, m: ChatMessage, images: list[np.ndarray]) -> dict:
+    def _message(self, m: ChatMessage, images: Iterator[np.ndarray]) -> dict:
         role = "system" if m.role == "developer" else m.role
         out: dict = {"role": role}
         if m.name is not None:
@@ -161,17 +150,18 @@ class ChatRenderer:
         content: str | list[dict[str, str]] | None
         if isinstance(m.content, list):
             parts = m.content
-            has_image = any(p.type == "image_url" for p in parts)
-            for p in parts:
-                if p.type == "image_url":
-                    images.append(self._decode_image(p.image_url.url))
-            if self.supports_parts and not (has_image and self.processor is None):
+            pixels = [next(images) for p in parts if p.type == "image_url"]
+            if self.supports_parts:
+                px = iter(pixels)
                 content = [
-                    {"type": "text", "text": p.text} if p.type == "text" else {"type": "image"}
+                    {"type": "text", "text": p.text} if p.type == "text"
+                    else {"type": "image", "image": next(px)}
                     for p in parts
                 ]
             else:
-                image_text = self.processor.image_token if self.processor else ""
+                image_text = (
+                    self.processor.placeholder_text(self.tokenizer) if self.processor else ""
+                )
                 content = "".join(p.text if p.type == "text" else image_text for p in parts)
         else:
             content = m.content
@@ -188,32 +178,6 @@ class ChatRenderer:
             content = ""
         out["content"] = content
         return out
-
-    def _decode_image(self, url: str) -> np.ndarray:
-        if self.processor is None:
-            raise APIError(
-                400,
-                "this model has no image processor, so it cannot take image_url parts; send "
-                "text only or serve a vision-language model",
-                param="messages",
-            )
-        head, sep, data = url.partition(",")
-        if not (url.startswith("data:image/") and sep and head.endswith(";base64")):
-            raise APIError(
-                400,
-                "image_url must be a base64 data URL (data:image/png;base64,...); the proxy "
-                "does not fetch remote URLs",
-                param="messages",
-            )
-        try:
-            from PIL import Image as PILImage
-
-            img = PILImage.open(io.BytesIO(base64.b64decode(data, validate=True)))
-            return np.asarray(img.convert("RGB"), dtype=np.uint8)
-        except (binascii.Error, ValueError, OSError) as e:
-            raise APIError(
-                400, f"image_url data could not be decoded as an image: {e}", param="messages"
-            ) from e
 
 
 def _call_dict(call: ToolCallIn) -> dict:

@@ -40,11 +40,12 @@ def make_proxy(tok) -> Iterator[Callable[..., Proxy]]:
     with contextlib.ExitStack() as stack:
 
         def make(engine: FakeEngine | None = None, *, streaming: bool = False,
-                 processor: object = None, **config: object) -> Proxy:
+                 tokenizer: object = None, **config: object) -> Proxy:
+            t = tokenizer or tok
             if engine is None:
-                engine = StreamingFakeEngine(tok) if streaming else FakeEngine(tok)
+                engine = StreamingFakeEngine(t) if streaming else FakeEngine(t)
             store = InMemorySessionStore()
-            app = create_app(engine, tok, store, processor=processor,
+            app = create_app(engine, t, store,
                              config=ProxyConfig(**config))  # type: ignore[arg-type]
             url = stack.enter_context(serve_in_thread(app))
             return Proxy(url, engine, store)
