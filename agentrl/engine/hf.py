@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Self, cast
+from typing import TYPE_CHECKING, Any, Self, cast
 
 import numpy as np
 import torch
@@ -537,7 +537,7 @@ class TransformersEngine:
                 k: t.to(self.device) for k, t in self.vision.model_inputs(new_images).items()
             }
         mask = mask.to(self.device)
-        out = self.model(
+        out = self._forward(
             input_ids=ids.to(self.device),
             attention_mask=mask,
             position_ids=pos.to(self.device),
@@ -568,7 +568,7 @@ class TransformersEngine:
             )
             self.counters["lean_decode_steps"] += logits_B_V is not None
         if logits_B_V is None:
-            out = self.model(
+            out = self._forward(
                 input_ids=ids_B[:, None],
                 attention_mask=mask,
                 position_ids=pos_B[:, None],
@@ -587,6 +587,21 @@ class TransformersEngine:
             index = torch.tensor(live, dtype=torch.long, device=self.device)
             logits_B_V = logits_B_V.index_select(0, index)
         self._sample([self._rows[i] for i in live], logits_B_V)
+
+    def _forward(self, **inputs: object) -> Any:
+        """The model's forward with its KV cache, also when a colocated trainer turned on
+        gradient checkpointing: transformers then drops the cache of a module in training mode
+        (`use_cache=False`, `past_key_values=None`), so decoding would see one token of context.
+        Checkpointing saves memory for a backward pass; this thread computes none (no_grad)."""
+        gc = [m for m in self.model.modules() if getattr(m, "gradient_checkpointing", False)
+              ] if self.model.training and self.model.is_gradient_checkpointing else []
+        for m in gc:
+            m.gradient_checkpointing = False
+        try:
+            return self.model(**inputs)
+        finally:
+            for m in gc:
+                m.gradient_checkpointing = True
 
     def _sample(self, samples: list[Sample], logits_B_V: torch.Tensor) -> None:
         """Draw the next token of each sample, record it, and finish samples that are done."""

@@ -62,3 +62,26 @@ def test_forward_values_and_gradients_match_a_plain_forward(
         assert p.grad is not None and p.grad.layout == torch.strided, name
         scale = float(ref.grad.abs().max()) + 1e-12
         torch.testing.assert_close(p.grad, ref.grad, atol=1e-5 * scale, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("lean_decode", [True, False])
+def test_gradient_checkpointing_keeps_the_colocated_engine_exact(make_cfg, monkeypatch,
+                                                                 lean_decode):
+    """With `--actor.gradient_checkpointing` the engine samples from a module in training mode
+    with checkpointing on, where transformers drops the KV cache: the engine must still decode
+    with its whole context (through the lean step, or the model's forward) and sample with the
+    trainer's weights."""
+    from agentrl.backends.cpu import decode
+    from trainers.policy import PolicyWorker
+
+    from ._logprobs import sampled_logprob_gap
+
+    if not lean_decode:  # the step declines: the engine runs the model's forward
+        monkeypatch.setattr(decode, "decode_logits", lambda *a, **k: None)
+    worker = PolicyWorker(make_cfg(actor={"gradient_checkpointing": True}))
+    assert worker.model.training and worker.model.is_gradient_checkpointing
+    trajs = worker.collect(list(range(4)), 0)
+    gap, n = sampled_logprob_gap(worker, trajs)
+    assert n > 20 and gap < 1e-4
+    assert (worker.engine.counters["lean_decode_steps"] > 0) == lean_decode
+    worker.close()
