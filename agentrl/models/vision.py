@@ -92,7 +92,9 @@ class VisionProcessor:
         self._placeholder_ids = [token]
         if self.family in QWEN2_VL:
             self._merge = int(config.vision_config.spatial_merge_size)
-            self._placeholder_ids = [config.vision_start_token_id, token, config.vision_end_token_id]
+            self._placeholder_ids = [
+                config.vision_start_token_id, token, config.vision_end_token_id
+            ]
         else:
             self._patch = int(config.vision_config.patch_size)
             self._llava_extra = 0 if config.vision_feature_select_strategy == "default" else 1
