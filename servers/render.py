@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -147,7 +147,7 @@ class ChatRenderer:
         out: dict = {"role": role}
         if m.name is not None:
             out["name"] = m.name
-        content: str | list[dict[str, str]] | None
+        content: str | list[dict[str, Any]] | None
         if isinstance(m.content, list):
             parts = m.content
             pixels = [next(images) for p in parts if p.type == "image_url"]

@@ -88,6 +88,8 @@ class TransformersEngine:
             for a decode step, or None where it does not cover the model (the model's forward
             runs then); None (default) always runs the model's forward. The caller picks one
             for the device: `agentrl.backends.engine_options(device)`.
+        vision: a vision-language model's `VisionProcessor` (default: the one of the model
+            the tokenizer names, `agentrl.models.vision.vision_processor`).
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class TransformersEngine:
         seed: int | None = None,
         admission_window: float = 0.005,
         decode_step: DecodeStep | None = None,
+        vision: VisionProcessor | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -126,7 +129,7 @@ class TransformersEngine:
         self.eos_ids = _eos_ids(model, tokenizer)
         self.vision: VisionProcessor | None = None
         if is_vision_config(model.config):
-            self.vision = vision_processor(tokenizer)
+            self.vision = vision or vision_processor(tokenizer)
             if self.vision is None:
                 raise ValueError(
                     f"{type(model).__name__} is a vision-language model, but no image processor "
@@ -595,12 +598,13 @@ class TransformersEngine:
         Checkpointing saves memory for a backward pass; this thread computes none (no_grad)."""
         gc = [m for m in self.model.modules() if getattr(m, "gradient_checkpointing", False)
               ] if self.model.training and self.model.is_gradient_checkpointing else []
-        for m in gc:
+        flags: list[Any] = gc  # plain bool attributes, not submodules
+        for m in flags:
             m.gradient_checkpointing = False
         try:
             return self.model(**inputs)
         finally:
-            for m in gc:
+            for m in flags:
                 m.gradient_checkpointing = True
 
     def _sample(self, samples: list[Sample], logits_B_V: torch.Tensor) -> None:

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from agentrl.envs.base import Obs, TokenEnv, make_obs, validate_action
 from agentrl.envs.template import ChatTemplateBridge, Message, TemplateError, message_images
+
+if TYPE_CHECKING:
+    from agentrl.models.vision import VisionProcessor
 
 StepResult = tuple[list[Message], float, bool, bool, dict[str, Any]]
 
@@ -61,6 +64,9 @@ class ChatTokenEnv(TokenEnv):
     Turn and token budgets are not the bridge's: the rollout loop enforces them for every env
     (`agentrl.rollout.collect(max_turns=, max_episode_tokens=)`). The bridge ends an episode
     only when the chat env does, or when the template cannot render it (`template_error`).
+
+    Images in messages are expanded by `vision` (default: the tokenizer's model's, see
+    `agentrl.models.vision.vision_processor`).
     """
 
     def __init__(
@@ -69,6 +75,7 @@ class ChatTokenEnv(TokenEnv):
         tokenizer: Any = None,
         *,
         check_drift: bool = True,
+        vision: VisionProcessor | None = None,
     ) -> None:
         from agentrl.models import resolve_tokenizer
 
@@ -76,7 +83,7 @@ class ChatTokenEnv(TokenEnv):
             raise TypeError(f"ChatTokenEnv wraps a ChatEnv, got {type(chat_env).__name__}")
         self.chat_env = chat_env
         self.tokenizer = resolve_tokenizer(tokenizer)
-        self.bridge = ChatTemplateBridge(self.tokenizer, getattr(chat_env, "tools", None))
+        self.bridge = ChatTemplateBridge(self.tokenizer, getattr(chat_env, "tools", None), vision)
         self.check = check_drift
         shape = getattr(chat_env, "image_shape", None)
         if shape is None:

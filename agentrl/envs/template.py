@@ -78,7 +78,12 @@ class DriftReport:
 class ChatTemplateBridge:
     """Turns message lists into token increments for one tokenizer (and optional tools)."""
 
-    def __init__(self, tokenizer: Any, tools: Sequence[dict] | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, tools: Sequence[dict] | None = None,
+        vision: VisionProcessor | None = None,
+    ) -> None:
+        """`vision`: the model's image processor path; default: the one the tokenizer's model
+        has (`agentrl.models.vision.vision_processor`), looked up at the first image."""
         self.tokenizer = tokenizer
         self.tools = list(tools) if tools else None
         if getattr(tokenizer, "chat_template", None) is None:
@@ -92,7 +97,7 @@ class ChatTemplateBridge:
             raise TemplateError("the chat template does not render assistant content verbatim")
         self.assistant_suffix = self._base_text[at + len(_CANARY) :]
         self.eos_ids = _end_of_turn_ids(tokenizer)
-        self._vision: VisionProcessor | None = None
+        self._vision: VisionProcessor | None = vision
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
         text = render_text(self.tokenizer, messages, add_generation_prompt=True, tools=self.tools)

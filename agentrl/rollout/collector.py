@@ -237,7 +237,8 @@ def _observe(
     if new_images:
         from agentrl.models.vision import ImageError, vision_processor
 
-        vision = vision_processor(getattr(engine, "tokenizer", None))
+        vision = getattr(engine, "vision", None) or vision_processor(
+            getattr(engine, "tokenizer", None))
         if vision is None:
             raise ImageError("the environment sent images but the policy is a text-only model")
         offset = len(context)

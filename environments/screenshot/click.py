@@ -7,7 +7,9 @@ red square". The model answers `click(x, y)`; a click inside the target's cell s
 screens (default 3), so its return is the fraction of targets hit.
 
 Image-blind ceiling: targets are placed uniformly over the cells, so a policy that cannot see
-scores 1 / cells per screen at best: 1/16 = 0.0625 with the defaults (`blind_ceiling`).
+scores 1 / cells per screen at best: an expected return of 1/16 = 0.0625 with the defaults
+(`blind_ceiling`), and it solves an episode (`info["correct"]`: every target hit, what pass@1
+counts) with probability (1/16)^3 < 0.001.
 
 Splits: an episode is identified by its sequence of target cells; `eval` holds the sequences
 whose hash falls in one tenth of the space and `train` the rest, so held-out episodes are never
@@ -91,6 +93,7 @@ class ScreenClickEnv(ChatEnv):
         reward = 1.0 / self.targets if hit else 0.0
         if done:
             info["success"] = self.hits / self.targets
+            info["correct"] = self.hits == self.targets  # solved: every target hit
             return [], reward, True, False, info
         if not isinstance(action, Click):
             note = "That was not an action. Answer with click(x, y)."
