@@ -10,9 +10,13 @@ Pipeline of :func:`compute_advantages` (OpenRLHF 0.11 ``experience_maker.py`` se
 the deliberate differences noted below):
 
 1. optional reward clip, before the baseline (OpenRLHF clamps after it, which caps advantages);
-2. the estimator's baseline, applied by reshaping the token rewards so that the return at every
-   action token is ``(future step rewards - b) / scale`` (the textbook ``(r - b) / scale`` for
-   single-turn data);
+2. a group estimator's outcome advantage: the sample's score ``r`` (the sum of its step
+   rewards) less the group baseline ``b``, over ``scale``, on every action token of the sample,
+   as GRPO and RLOO define it (and as OpenRLHF gets by summing step rewards onto the last
+   token). Not the per-step rewards-to-go less ``b`` (what this did before): unbiased too,
+   but in a nearly solved group (scores 1, 1, 1, 2/3 over three turns) it gives every correct
+   last turn (1/3 - 0.92) / 0.17 = -3.5, so with 4 samples a group mostly pushes its sampled,
+   correct actions down, and an all-solved group's later turns got (2/3 - 1) / 1e-9;
 3. KL reward shaping ``r_t -= kl_coef * kl_t`` on every action token;
 4. returns ``G_t = r_t + gamma * G_next`` (advantages = returns), or GAE with the critic;
 5. optional token-weighted whitening over all action tokens of the batch.
@@ -157,22 +161,19 @@ def _group_scores(
 
 def _group_baseline(
     scores_B: Tensor, index_B: Tensor, counts_G: Tensor, leave_one_out: bool
-) -> tuple[Tensor, Tensor]:
-    """Per-sample baseline (group mean or leave-one-out mean) and unbiased group std, ``[B]``."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sample baseline (group mean or leave-one-out mean), unbiased group std, and whether
+    the sample's group scored all equal, ``[B]``."""
     num_groups = counts_G.numel()
     n_G = counts_G.to(scores_B.dtype)
     sum_G = group_sum(scores_B, index_B, num_groups)
     mean_B = (sum_G / n_G)[index_B]
     std_B = (group_sum((scores_B - mean_B) ** 2, index_B, num_groups) / (n_G - 1)).sqrt()[index_B]
     baseline_B = (sum_G[index_B] - scores_B) / (n_G[index_B] - 1) if leave_one_out else mean_B
-    # A group with equal scores must get exactly zero advantage: float round-off in the mean
-    # would otherwise be divided by std + 1e-9 and blow up (GRPO on all-correct groups).
     max_G = torch.full_like(sum_G, -torch.inf).scatter_reduce(0, index_B, scores_B, "amax")
     min_G = torch.full_like(sum_G, torch.inf).scatter_reduce(0, index_B, scores_B, "amin")
     constant_B = (max_G == min_G)[index_B]
-    baseline_B = torch.where(constant_B, scores_B, baseline_B)
-    std_B = torch.where(constant_B, torch.zeros_like(std_B), std_B)
-    return baseline_B, std_B
+    return baseline_B, std_B, constant_B
 
 
 def _group_estimator(estimator: str, leave_one_out: bool, divide_std: bool) -> AdvantageEstimator:
@@ -188,13 +189,16 @@ def _group_estimator(estimator: str, leave_one_out: bool, divide_std: bool) -> A
             )
         _warn_ignored(estimator, lam=lam != 1.0, values_BT=values_BT is not None)
         scores_B, index_B, counts_G = _group_scores(estimator, rewards_BT, group_ids_B)
-        baseline_B, std_B = _group_baseline(scores_B, index_B, counts_G, leave_one_out)
+        baseline_B, std_B, constant_B = _group_baseline(
+            scores_B, index_B, counts_G, leave_one_out)
         scale_B = std_B + GROUP_NORM_EPS if divide_std else torch.ones_like(std_B)
-        # Reward reshaping: scale every step reward and put -b on the last action token, so
-        # the return at any action token is (future step rewards - b) / scale.
-        last_BT = last_action_token(mask_BT)
-        shaped_BT = rewards_BT.double() / scale_B[:, None]
-        shaped_BT = shaped_BT - last_BT * (baseline_B / scale_B)[:, None]
+        # The outcome advantage (r - b) / scale on the last action token; with gamma = 1 the
+        # returns carry it to every action token of the sample (module docstring, step 2).
+        outcome_B = (scores_B - baseline_B) / scale_B
+        # A group whose samples all scored the same carries no signal: exactly zero, not the
+        # float round-off of its mean divided by std + 1e-9.
+        outcome_B = torch.where(constant_B, 0.0, outcome_B)
+        shaped_BT = last_action_token(mask_BT) * outcome_B[:, None]
         returns_BT = discounted_returns(shaped_BT.float() - penalty_BT, mask_BT, 1.0)
         return returns_BT, returns_BT
 

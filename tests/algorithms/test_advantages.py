@@ -58,7 +58,8 @@ def _reference_advantages(
     estimator: str, rewards: Tensor, mask: Tensor, group_ids: Tensor, values: Tensor,
     kl: Tensor, *, gamma: float, lam: float, kl_coef: float, whiten: bool, whiten_std: bool = True,
 ) -> tuple[list[list[float]], list[list[float]]]:
-    """Direct sums over the future action tokens (no recursion), then whitening."""
+    """Direct sums over the future action tokens (no recursion), then whitening; a group
+    estimator's (score - baseline) / scale on every action token of the sample."""
     R, M, V, K = rewards.tolist(), mask.tolist(), values.tolist(), kl.tolist()
     B, T = len(R), len(R[0])
     actions = [[t for t in range(T) if M[b][t]] for b in range(B)]
@@ -79,9 +80,9 @@ def _reference_advantages(
                 adv[b][t] = sum((gamma * lam) ** m * d for m, d in enumerate(deltas))
                 ret[b][t] = adv[b][t] + V[b][t]
             elif estimator in GROUP_ESTIMATORS:
-                future_reward = sum(R[b][u] for u in future)
+                # The outcome advantage on every action token, plus the future KL penalty.
                 future_kl = sum(kl_coef * K[b][u] for u in future)
-                ret[b][t] = adv[b][t] = (future_reward - base) / scale - future_kl
+                ret[b][t] = adv[b][t] = (scores[b] - base) / scale - future_kl
             else:
                 ret[b][t] = adv[b][t] = sum(gamma**m * s for m, s in enumerate(shaped))
     if whiten:
@@ -159,7 +160,7 @@ def test_single_turn_group_baselines_by_hand(estimator: str, expected: list[floa
     torch.testing.assert_close(ret, want)
 
 
-def test_multi_turn_keeps_per_step_rewards_by_hand() -> None:
+def test_group_estimators_give_every_turn_the_outcome_advantage_by_hand() -> None:
     # Two samples, two turns each; sample 0 earns 1 then 2 (score 3), sample 1 earns 0 then 1.
     mask = torch.tensor([[0, 1, 1, 0, 0, 1, 0], [0, 1, 0, 0, 1, 1, 1]], dtype=torch.float)
     rewards = torch.zeros_like(mask)
@@ -168,8 +169,9 @@ def test_multi_turn_keeps_per_step_rewards_by_hand() -> None:
     adv, _ = compute_advantages(
         "dr_grpo", rewards_BT=rewards, mask_BT=mask, group_ids_B=torch.tensor([0, 0])
     )
-    # mean score 2: sample 0 turn 1 sees 3 - 2, turn 2 sees 2 - 2; sample 1 sees 1 - 2 throughout.
-    want = torch.tensor([[0, 1, 1, 0, 0, 0, 0], [0, -1, 0, 0, -1, -1, -1]], dtype=torch.float)
+    # Mean score 2: sample 0's turns both get 3 - 2, sample 1's both 1 - 2 (GRPO's outcome
+    # advantage; the second turn of sample 0 is not judged by its reward-to-go 2 - 2).
+    want = torch.tensor([[0, 1, 1, 0, 0, 1, 0], [0, -1, 0, 0, -1, -1, -1]], dtype=torch.float)
     torch.testing.assert_close(adv, want)
 
 
@@ -248,6 +250,27 @@ def test_constant_group_gets_exactly_zero_group_norm_advantage() -> None:
     assert bool((adv[:3] == 0).all())
     # 0.3, 0.7: mean 0.5, unbiased std sqrt(0.08) -> -+0.2 / sqrt(0.08) = -+1 / sqrt(2).
     torch.testing.assert_close(adv[3:, 2], torch.tensor([-1.0, 1.0]) / math.sqrt(2))
+
+
+@pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo", "rloo", "reinforce_baseline"])
+def test_a_constant_multi_turn_group_gets_zero_advantage_on_every_turn(estimator: str) -> None:
+    """Three turns rewarded 1/3 each in every sample: no signal, so no advantage anywhere, also
+    on the later turns whose rewards-to-go (2/3, 1/3) differ from the group's score (1)."""
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1, 0, 1, 1]] * 5, dtype=torch.float32)
+    rewards = torch.zeros_like(mask)
+    rewards[:, [2, 5, 8]] = 1 / 3
+    rewards[3:, 8] = 0.0  # group 1: both samples missed their last step
+    groups = torch.tensor([0, 0, 0, 1, 1])
+    adv, _ = compute_advantages(estimator, rewards_BT=rewards, mask_BT=mask, group_ids_B=groups)
+    assert bool((adv == 0).all())
+    # One group of scores 1, 1, 1, 2/3, 2/3: each sample's outcome advantage on every one of
+    # its action tokens, the correct last turns of the solved samples included.
+    adv2, _ = compute_advantages(estimator, rewards_BT=rewards, mask_BT=mask,
+                                 group_ids_B=torch.tensor([0, 0, 0, 0, 0]))
+    for b in range(5):
+        on = adv2[b][mask[b] == 1]
+        assert bool((on == on[0]).all()) and bool((adv2[b][mask[b] == 0] == 0).all())
+    assert bool((adv2[:3, 1] > 0).all()) and bool((adv2[3:, 1] < 0).all())
 
 
 def test_group_estimator_forces_gamma_one_with_a_warning() -> None:
