@@ -105,6 +105,7 @@ class Trainer:
         self.policy: _Handle | _Group | None = None
         self.rollout: _Handle | None = None
         self.weight_sync = "rpc"  # how weights reach a rollout worker (trainers/weight_sync.py)
+        self._image_token: int | None | bool = False  # the policy's image token; False: unknown
 
     @property
     def _policy(self) -> _Handle | _Group:
@@ -229,9 +230,32 @@ class Trainer:
             except Exception as e:  # noqa: BLE001 (the run stands; say what did not stop)
                 logger.warning("could not stop a worker's engine: %s", e)
 
+    def _discard_sampled_placeholders(self, trajectories: list[Trajectory]) -> None:
+        """A vision-language policy that sampled its image placeholder token wrote something no
+        model input can hold (the model puts an image wherever that token is): the episode is
+        discarded (kept in the rollouts file, counted, not trained on). An env episode that went
+        on after it already failed at its next turn; this catches the last turn's, and proxy
+        sessions'."""
+        if self._image_token is False:
+            from agentrl.models import load_tokenizer
+            from agentrl.models.vision import vision_processor
+
+            vision = vision_processor(load_tokenizer(self.cfg.actor.model))
+            self._image_token = vision.image_token_id if vision is not None else None
+        token = self._image_token
+        if token is None:
+            return
+        for t in trajectories:
+            if not t.discard and any(i == token and m for i, m in zip(t.token_ids, t.loss_mask,
+                                                                       strict=True)):
+                t.discard = True
+                t.info["error"] = ("the policy sampled its image placeholder token; the episode "
+                                   "cannot be scored with images and is not trained on")
+
     def _train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         sampled, t_rollout = self._next_batch()
+        self._discard_sampled_placeholders(sampled)
         if self.cfg.save_rollouts:  # discarded episodes too: nothing sampled is lost
             save_jsonl(sampled, self.run_dir / "rollouts" / f"step_{self.step + 1:06d}.jsonl")
         trajs = [t for t in sampled if not t.discard]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import sys
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -50,20 +51,11 @@ def token_logprobs(
         if packed.attention_mask is not None:
             inputs["attention_mask"] = packed.attention_mask
         shared = packed.shared_tokens
-        images = packed.images
+        if packed.images:
+            inputs.update(_image_inputs(batch, packed.images, vision))
     else:
-        cols = torch.arange(n, device=batch.input_ids.device)
         flat = r * n + c
-        inputs = {"input_ids": batch.input_ids[idx, :n],
-                  "attention_mask": (cols[None, :] < batch.lengths[idx][:, None]).long()}
-        if batch.positions is not None:
-            inputs["position_ids"] = batch.positions[:, idx, :n]
-        images = [im for i in idx.tolist() for im in batch.images[i]] if batch.images else []
-    if images:
-        if vision is None:
-            raise ValueError("a batch with images needs the policy's VisionProcessor")
-        dev = batch.input_ids.device
-        inputs.update({k: t.to(dev) for k, t in vision.model_inputs(images).items()})
+        inputs = padded_inputs(batch, rows, vision)
     with autocast(backend.device, cfg.actor.mixed_precision):
         if cfg.packing and _accepts_logits_to_keep(module):
             # Packed: one row, so the kept positions are exactly the ones we need. A view
@@ -82,6 +74,34 @@ def token_logprobs(
     ent = batch.mask.new_zeros(len(idx), n - 1)
     ent[r, c] = ent_t if cfg.algo.entropy_coef > 0 else ent_t.detach()
     return logp, ent, shared
+
+
+def padded_inputs(
+    batch: RolloutBatch, rows: Rows, vision: VisionProcessor | None
+) -> dict[str, Tensor]:
+    """The model inputs of `rows` as right-padded rows of length n: ids, attention mask and,
+    for a vision-language batch, the rows' images and (mRoPE) their 3-D positions. What the
+    unpacked log-prob forward and the critic both run on."""
+    idx, n = rows
+    cols = torch.arange(n, device=batch.input_ids.device)
+    inputs = {"input_ids": batch.input_ids[idx, :n],
+              "attention_mask": (cols[None, :] < batch.lengths[idx][:, None]).long()}
+    if batch.positions is not None:
+        inputs["position_ids"] = batch.positions[:, idx, :n]
+    if batch.images:
+        images = [im for i in idx.tolist() for im in batch.images[i]]
+        if images:
+            inputs.update(_image_inputs(batch, images, vision))
+    return inputs
+
+
+def _image_inputs(
+    batch: RolloutBatch, images: list[np.ndarray], vision: VisionProcessor | None
+) -> dict[str, Tensor]:
+    if vision is None:
+        raise ValueError("a batch with images needs the policy's VisionProcessor")
+    dev = batch.input_ids.device
+    return {k: t.to(dev) for k, t in vision.model_inputs(images).items()}
 
 
 def _masks(module: nn.Module) -> bool:

@@ -35,7 +35,7 @@ from agentrl.backends.distributed import all_sum
 from trainers.advantages import batch_advantages
 from trainers.batch import RolloutBatch, add_images, collate, group_sorted, length_sorted
 from trainers.config import TrainConfig
-from trainers.logprobs import Rows, token_logprobs
+from trainers.logprobs import Rows, padded_inputs, token_logprobs
 from trainers.losses import policy_loss, value_loss
 
 
@@ -63,12 +63,6 @@ class PolicyWorker:
         self.tokenizer = load_tokenizer(cfg.actor.model)
         self.model = load_model(cfg.actor.model, dtype=cfg.actor.dtype).train()
         self.vision = vision_processor(self.tokenizer)
-        if self.vision is not None and cfg.algo.estimator == "gae":
-            raise ValueError(
-                "--algo.estimator gae: the PPO critic does not take images yet; train a "
-                "vision-language model with group_norm (GRPO), dr_grpo, rloo, reinforce or "
-                "reinforce_baseline"
-            )
         if cfg.actor.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -137,9 +131,9 @@ class PolicyWorker:
         batch.extras[name] = out * batch.mask
 
     def _values(self, module: nn.Module, batch: RolloutBatch, rows: Rows) -> Tensor:
-        idx, n = rows
+        inputs = padded_inputs(batch, rows, self.vision)
         with autocast(self.device, self.cfg.actor.mixed_precision):
-            return module(batch.input_ids[idx, :n], batch.lengths[idx]).float()
+            return module(**inputs).float()
 
     # ------------------------------------------------------------------ the update
     def train(

@@ -17,3 +17,37 @@ async def digits_agent(task: dict, base_url: str, api_key: str) -> str:
 def digits_reward(task: dict, result: str) -> float:
     text = result.strip()
     return sum(c.isdigit() for c in text) / len(text) if text else 0.0
+
+
+def _data_url(seed: int) -> str:
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (56, 56, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+async def screen_agent(task: dict, base_url: str, api_key: str) -> str:
+    """Two chat calls, each sending a new screenshot as an image_url data URL, the second
+    continuing the first conversation (one session, one trajectory)."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages: list = []
+    answer = ""
+    for turn in range(2):
+        messages.append({"role": "user", "content": [
+            {"type": "text", "text": f"Screen {turn}: where is the red square?"},
+            {"type": "image_url", "image_url": {"url": _data_url(task["seed"] * 2 + turn)}},
+        ]})
+        out = await client.chat.completions.create(
+            model="agentrl", messages=messages, max_tokens=6, temperature=1.0,
+        )
+        answer = out.choices[0].message.content or ""
+        messages.append({"role": "assistant", "content": answer})
+    return answer

@@ -139,3 +139,64 @@ def test_a_text_policy_refuses_screenshot_episodes(worker_and_rollouts, tmp_path
     text = PolicyWorker(tiny_cfg(tmp_path), with_engine=False)
     with pytest.raises(ValueError, match="text-only"):
         text.train(trajs, kl_coef=0.0)
+
+
+@pytest.mark.parametrize("name", TINY_VLMS)
+def test_the_ppo_critic_sees_the_screenshots(name, tmp_path):
+    """With gae the critic is the whole multimodal model plus a value head: a PPO step trains
+    its vision tower too, and its values then depend on the pixels."""
+    from trainers.policy import PolicyWorker
+
+    from .conftest import tiny_cfg
+
+    cfg = tiny_cfg(tmp_path, actor={"model": name}, algo={"estimator": "gae"})
+    worker = PolicyWorker(cfg, with_engine=False)
+    trajs = _rollout(name, worker.model, worker.tokenizer)
+    assert worker.critic is not None
+    critic = worker.critic.module
+    before = {k: v.detach().clone() for k, v in critic.named_parameters()}
+    # The value head starts at zero, so the first step moves only the head; the second reaches
+    # the backbone.
+    for _ in range(2):
+        metrics = worker.train(trajs, kl_coef=0.0)
+        assert np.isfinite(metrics["value_loss"])
+    moved = {k for k, v in critic.named_parameters() if not torch.equal(v, before[k])}
+    assert any("visual" in k or "vision_tower" in k for k in moved), sorted(moved)[:5]
+    blank = [dataclasses.replace(t, images=[dataclasses.replace(im, pixels=np.zeros_like(
+        im.pixels)) for im in t.images]) for t in trajs]
+
+    def values(episodes):
+        from trainers.batch import add_images, collate
+
+        batch = collate(episodes, worker.pad_id, None)
+        add_images(batch, episodes, worker.vision, worker.model)
+        worker._fill(batch, "values", worker.critic)
+        return batch.extras["values"]
+
+    assert (values(trajs) - values(blank)).abs().max() > 1e-4
+
+
+def test_an_episode_whose_policy_sampled_the_image_token_is_discarded(tmp_path):
+    """The model puts an image wherever its placeholder token is, so a sampled one makes the
+    episode unscorable: it is kept in the rollouts but discarded, not a crashed step."""
+    from agentrl.models.vision import vision_processor
+    from agentrl.types import TrajectoryBuilder
+    from trainers.controller import Trainer
+
+    from .conftest import tiny_cfg
+
+    trainer = Trainer(tiny_cfg(tmp_path, actor={"model": "tiny-llava"}))
+    from agentrl.models import load_tokenizer
+
+    image = vision_processor(load_tokenizer("tiny-llava")).image_token_id
+
+    def episode(action):
+        b = TrajectoryBuilder()
+        b.add_observation([1, 2, 3])
+        b.add_action(action, [-0.1] * len(action))
+        return b.build(terminated=True, truncated=False)
+
+    fine, stray = episode([4, 5]), episode([4, image])
+    trainer._discard_sampled_placeholders([fine, stray])
+    assert not fine.discard
+    assert stray.discard and "image placeholder" in stray.info["error"]
