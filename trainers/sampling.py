@@ -173,6 +173,7 @@ def evaluate_engine(engine: Any, cfg: TrainConfig, tokenizer: Any) -> dict[str, 
     return {
         "pass@1": result.pass_at_1,
         f"pass@{cfg.eval_samples}": result.pass_at_k,
+        "mean_return": result.mean_return,
         "num_problems": result.num_problems,
         "num_samples": result.num_samples,
         "trajectories": result.trajectories,

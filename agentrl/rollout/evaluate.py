@@ -78,6 +78,9 @@ class EvalResult:
     """Trajectories marked `discard` (env or sandbox failures), excluded."""
     num_env_errors: int
     """Scored episodes with `info["error"]` (scored as unsolved)."""
+    mean_return: float = 0.0
+    """Mean total reward of the scorable trajectories (partial credit: e.g. the fraction of
+    targets hit, where pass@1 counts only episodes solved outright)."""
     trajectories: list[Trajectory] = field(repr=False)
     per_problem: list[tuple[int, int]] = field(repr=False)
     """(samples, solved) per problem in the estimates."""
@@ -89,7 +92,8 @@ class EvalResult:
         if self.num_env_errors:
             extra += f", {self.num_env_errors} env errors"
         return (
-            f"pass@1 {self.pass_at_1:.4f}  pass@{self.k} {self.pass_at_k:.4f}  on "
+            f"pass@1 {self.pass_at_1:.4f}  pass@{self.k} {self.pass_at_k:.4f}  mean return "
+            f"{self.mean_return:.4f}  on "
             f"{self.num_problems} problems ({self.num_samples} samples{extra})"
         )
 
@@ -98,6 +102,7 @@ def score(trajectories: Sequence[Trajectory], k: int) -> EvalResult:
     """Group trajectories by `info["prompt_index"]` and compute pass@1 and pass@k."""
     groups: dict[int, list[bool]] = {}
     discarded = env_errors = 0
+    returns: list[float] = []
     for traj in trajectories:
         index = int(traj.info.get("prompt_index", len(groups)))
         if traj.discard:
@@ -105,6 +110,7 @@ def score(trajectories: Sequence[Trajectory], k: int) -> EvalResult:
             groups.setdefault(index, [])
             continue
         env_errors += "error" in traj.info
+        returns.append(traj.total_reward)
         groups.setdefault(index, []).append(is_solved(traj))
     per_problem = [(len(v), sum(v)) for _, v in sorted(groups.items()) if v]
     p1 = [c / n for n, c in per_problem]
@@ -118,6 +124,7 @@ def score(trajectories: Sequence[Trajectory], k: int) -> EvalResult:
         num_samples=sum(n for n, _ in per_problem),
         num_discarded=discarded,
         num_env_errors=env_errors,
+        mean_return=sum(returns) / len(returns) if returns else 0.0,
         trajectories=list(trajectories),
         per_problem=per_problem,
     )
