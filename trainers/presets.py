@@ -30,6 +30,29 @@ def math_tir() -> TrainConfig:
     )
 
 
+def screen_click() -> TrainConfig:
+    """A vision-language agent on screenshots: GRPO on ScreenClick with `embedded-vlm` (built
+    and warmed up on first use), sized for a 2-core CPU. The evaluation before training is the
+    warm-up alone; the one after is warm-up + RL (64 held-out episodes, sampled at T=1)."""
+    return TrainConfig(
+        env="screen-click",
+        env_kwargs={"split": "train"},
+        eval_env_kwargs={"split": "eval"},
+        actor=ActorConfig(model="embedded-vlm", lr=2e-5),
+        algo=AlgoConfig(estimator="group_norm"),
+        rollout=RolloutConfig(
+            n_samples_per_prompt=4, prompts_per_step=8, max_new_tokens=12, max_turns=3,
+            max_episode_tokens=512,
+        ),
+        steps=8,
+        micro_batch_size=8,
+        eval_problems=64,
+        eval_samples=1,
+        eval_temperature=1.0,  # as the policy samples: what RL makes reliable
+        run_dir="runs/screen-click",
+    )
+
+
 def digits() -> TrainConfig:
     """Tiny model, tiny task: reward rises within a few dozen steps on a CPU."""
     return TrainConfig(
@@ -46,6 +69,8 @@ def digits() -> TrainConfig:
 PRESETS: dict[str, Callable[[], TrainConfig]] = {
     "math-tir": math_tir,
     "agentrl/MathTIR-v0": math_tir,
+    "screen-click": screen_click,
+    "agentrl/ScreenClick-v0": screen_click,
     "digits": digits,
     "agentrl/Digits-v0": digits,
 }

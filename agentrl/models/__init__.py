@@ -1,8 +1,9 @@
 """Model and tokenizer loading, offline only.
 
 Names: the embedded default (`smollm2-135m-instruct`, aliases `embedded`, `default`,
-`HuggingFaceTB/SmolLM2-135M-Instruct`), `tiny` (random 2-layer test model), `tiny-qwen2-vl` and
-`tiny-llava` (random tiny vision-language models, see `agentrl.models.vision`), or a local
+`HuggingFaceTB/SmolLM2-135M-Instruct`), `embedded-vlm` (SmolLM2 with a small vision tower,
+built and warmed up here on first use, see `agentrl.models.embedded_vlm`), `tiny` (random 2-layer
+test model), `tiny-qwen2-vl` and `tiny-llava` (random tiny vision-language models), or a local
 directory holding a Hugging Face model (causal LM or vision-language model). agentrl never
 downloads weights.
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentrl.models.embedded import EMBEDDED_ALIASES, EMBEDDED_NAME, INSTALL_HINT
+from agentrl.models.embedded_vlm import EMBEDDED_VLM_NAME
 from agentrl.models.tiny import TINY_NAME, TINY_VLMS
 
 if TYPE_CHECKING:
@@ -24,7 +26,7 @@ DEFAULT_MODEL = EMBEDDED_NAME
 
 def available_models() -> list[str]:
     """Model names that load without a path."""
-    return [EMBEDDED_NAME, TINY_NAME, *TINY_VLMS]
+    return [EMBEDDED_NAME, EMBEDDED_VLM_NAME, TINY_NAME, *TINY_VLMS]
 
 
 def _resolve(name: str) -> tuple[str, Path | None]:
@@ -33,6 +35,10 @@ def _resolve(name: str) -> tuple[str, Path | None]:
         from agentrl.models.embedded import embedded_dir
 
         return "embedded", embedded_dir()
+    if name == EMBEDDED_VLM_NAME:
+        from agentrl.models.embedded_vlm import embedded_vlm_dir
+
+        return "path", embedded_vlm_dir()
     if name == TINY_NAME:
         return "tiny", None
     if name in TINY_VLMS:

@@ -279,6 +279,33 @@ def _processor_for(name: str) -> VisionProcessor | None:
     return VisionProcessor(config, load_image_processor(path))
 
 
+def save_vlm(path: str | Path, model: Any, tokenizer: Any, image_processor: Any) -> None:
+    """Write a vision-language model as a directory that agentrl, transformers and vLLM all
+    load: weights, tokenizer (with its chat template), image processor and, for LLaVA, the
+    processor settings (patch size, feature selection) from which vLLM expands its images.
+    A Qwen2-VL processor also holds a video processor, which needs torchvision; without it only
+    the image processor is written (agentrl and transformers need no more)."""
+    import importlib.util
+
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    image_processor.save_pretrained(path)
+    if model.config.model_type in LLAVA:
+        from transformers import LlavaProcessor
+
+        vision = model.config.vision_config
+        LlavaProcessor(
+            image_processor=image_processor, tokenizer=tokenizer, patch_size=vision.patch_size,
+            vision_feature_select_strategy=model.config.vision_feature_select_strategy,
+            num_additional_image_tokens=1,  # CLIP's class token, which "default" drops
+            chat_template=tokenizer.chat_template,
+        ).save_pretrained(path)
+    elif importlib.util.find_spec("torchvision") is not None:
+        from transformers import AutoProcessor
+
+        AutoProcessor.from_pretrained(str(path)).save_pretrained(path)
+
+
 def load_image_processor(path: str | Path) -> Any:
     """The model directory's image processor; transformers' PIL backend when torchvision is
     not installed."""

@@ -1,0 +1,57 @@
+"""`embedded-vlm`: the hand-set vision tower reads the screen, and the built model (the same
+build `--actor.model embedded-vlm` runs) solves held-out ScreenClick episodes and saves a
+directory that loads as an ordinary LLaVA model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from agentrl.models import embedded_vlm as ev
+from environments.screenshot.click import ScreenClickEnv
+
+
+@pytest.fixture(scope="module")
+def parts():
+    return ev.untrained()
+
+
+def test_every_patch_reads_the_red_squares_position(parts):
+    model, _, processor = parts
+    from agentrl.models.vision import VisionProcessor
+
+    vision = VisionProcessor(model.config, processor)
+    env = ScreenClickEnv(split="train")
+    for seed in range(5):
+        env.np_random = np.random.default_rng(seed)
+        _, info = env.reset()
+        px = vision.model_inputs([env.render()])["pixel_values"]
+        with torch.no_grad():
+            hidden = model.model.vision_tower(px, output_hidden_states=True).hidden_states[-1][0]
+        red = hidden[:, ev._RED : ev._RED + 17].argmax(-1)  # the class token, then 16 patches
+        own = hidden[:, ev._OWN : ev._OWN + 17].argmax(-1)
+        assert red.tolist() == [info["targets"][0] + 1] * 17
+        assert own.tolist() == list(range(17))
+
+
+@pytest.mark.slow
+def test_the_built_model_solves_held_out_screens(tmp_path):
+    from agentrl.engine.hf import TransformersEngine
+    from agentrl.envs.chat import ChatTokenEnv
+    from agentrl.models import load_model, load_tokenizer
+    from agentrl.rollout.evaluate import evaluate
+    from agentrl.types import SamplingParams
+
+    path = tmp_path / "embedded-vlm"
+    ev.build(path)
+    model, tok = load_model(str(path)), load_tokenizer(str(path))
+    assert type(model).__name__ == "LlavaForConditionalGeneration"
+    with TransformersEngine(model, tok, max_batch_size=16) as engine:
+        result = evaluate(
+            engine, lambda: ChatTokenEnv(ScreenClickEnv(split="eval"), tok),
+            num_problems=16, sampling=SamplingParams(temperature=0.0, max_tokens=12),
+            max_turns=3,
+        )
+    # Image-blind: 1/16 per screen. Measured: 0.98 over 64 held-out episodes.
+    assert result.mean_return > 0.8, result.summary()
