@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agentrl.models import embedded_vlm as ev
-from environments.screenshot.click import ScreenClickEnv
+from environments.screenshot.click import INSTRUCTIONS, ScreenClickEnv
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +55,37 @@ def test_the_built_model_solves_held_out_screens(tmp_path):
         )
     # Image-blind: 1/16 per screen. Measured: 0.98 over 64 held-out episodes.
     assert result.mean_return > 0.8, result.summary()
+
+    # The same directory behind the proxy (as `agentrl serve --model embedded-vlm`): an
+    # outside client sends a held-out screenshot as a data URL and gets the click.
+    import base64
+    import io
+
+    import openai
+    from PIL import Image
+
+    from servers.app import create_app
+    from servers.config import ProxyConfig
+    from servers.serving import serve_in_thread
+    from servers.sessions import InMemorySessionStore
+
+    env = ScreenClickEnv(split="eval")
+    env.np_random = np.random.default_rng(3)
+    env.reset()
+    buf = io.BytesIO()
+    Image.fromarray(env.render()).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    store = InMemorySessionStore()
+    with TransformersEngine(model, tok, max_batch_size=4) as engine, serve_in_thread(
+        create_app(engine, tok, store, config=ProxyConfig(model_name="embedded-vlm"))
+    ) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="session-s", max_retries=0)
+        out = client.chat.completions.create(
+            model="embedded-vlm", max_tokens=12, temperature=0.0,
+            messages=[{"role": "user", "content": [
+                {"type": "text", "text": INSTRUCTIONS},  # what it was warmed up on
+                {"type": "image_url", "image_url": {"url": url}}]}],
+        )
+    assert out.choices[0].message.content == env.oracle_action()
+    [traj] = store.get("s").trajectories()
+    assert len(traj.images) == 1 and traj.images[0].end - traj.images[0].start == 16
