@@ -10,6 +10,7 @@ sampled ahead of training, each turn recording the policy version it was sampled
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -105,7 +106,6 @@ class Trainer:
         self.policy: _Handle | _Group | None = None
         self.rollout: _Handle | None = None
         self.weight_sync = "rpc"  # how weights reach a rollout worker (trainers/weight_sync.py)
-        self._image_token: int | None | bool = False  # the policy's image token; False: unknown
 
     @property
     def _policy(self) -> _Handle | _Group:
@@ -230,18 +230,21 @@ class Trainer:
             except Exception as e:  # noqa: BLE001 (the run stands; say what did not stop)
                 logger.warning("could not stop a worker's engine: %s", e)
 
+    @functools.cached_property
+    def _image_token(self) -> int | None:
+        """The policy's image placeholder token (None for a text-only model)."""
+        from agentrl.models import load_tokenizer
+        from agentrl.models.vision import vision_processor
+
+        vision = vision_processor(load_tokenizer(self.cfg.actor.model))
+        return vision.image_token_id if vision is not None else None
+
     def _discard_sampled_placeholders(self, trajectories: list[Trajectory]) -> None:
         """A vision-language policy that sampled its image placeholder token wrote something no
         model input can hold (the model puts an image wherever that token is): the episode is
         discarded (kept in the rollouts file, counted, not trained on). An env episode that went
         on after it already failed at its next turn; this catches the last turn's, and proxy
         sessions'."""
-        if self._image_token is False:
-            from agentrl.models import load_tokenizer
-            from agentrl.models.vision import vision_processor
-
-            vision = vision_processor(load_tokenizer(self.cfg.actor.model))
-            self._image_token = vision.image_token_id if vision is not None else None
         token = self._image_token
         if token is None:
             return

@@ -37,8 +37,8 @@ class ValueModel(torch.nn.Module):
 
     def get_decoder(self) -> torch.nn.Module:
         """The decoder, whose layers FSDP2 shards one by one (as for the policy)."""
-        inner = getattr(self.backbone, "get_decoder", None)
-        return inner() if callable(inner) and is_vision_config(self.config) else self.backbone
+        inner = getattr(self.backbone, "get_decoder", None)  # a text model's returns itself
+        return inner() if callable(inner) else self.backbone
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, **inputs: Tensor) -> Tensor:
         """`inputs`: a vision-language model's images and positions."""

@@ -69,6 +69,7 @@ from agentrl.engine.base import NamedTensors
 from agentrl.engine.requests import check_request
 from agentrl.engine.vllm_weights import WORKER_EXTENSION, buckets, with_tied_head
 from agentrl.engine.weight_broadcast import BACKENDS
+from agentrl.models.vision import image_token_of
 from agentrl.types import Completion, CompletionDelta, SamplingParams
 
 if TYPE_CHECKING:
@@ -174,9 +175,7 @@ class VLLMEngine:
         self._max_context = int(self.llm.model_config.max_model_len)
         self.vocab_size = int(self.llm.model_config.get_vocab_size())
         self._tokenizer: Any = None
-        hf = self.llm.model_config.hf_config
-        image_token = getattr(hf, "image_token_id", getattr(hf, "image_token_index", None))
-        self._image_token = int(image_token) if image_token is not None else None
+        self._image_token = image_token_of(self.llm.model_config.hf_config)
 
     @property
     def version(self) -> int:

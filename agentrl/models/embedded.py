@@ -11,7 +11,7 @@ import fcntl
 import importlib.metadata
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -51,20 +51,27 @@ def gguf_path() -> Path:
 
 
 def embedded_dir() -> Path:
-    """Directory of the fp32 copy of the embedded model, converting it on first use.
+    """Directory of the fp32 copy of the embedded model, converting it on first use
+    (`built_once`)."""
+    return built_once(cache_root() / "models" / f"{EMBEDDED_NAME}-fp32", _convert)
 
-    A file lock makes concurrent first loads (pytest workers, Ray actors) convert once; the
-    copy is written to a temporary directory and renamed, so a crash never leaves half a model.
-    """
-    target = cache_root() / "models" / f"{EMBEDDED_NAME}-fp32"
+
+def built_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """`target`, a model directory `build(path)` writes, built on first use: under a file lock,
+    so concurrent first uses (pytest workers, Ray actors) build it once, into a temporary
+    directory renamed into place, so a crash never leaves half a model."""
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = target.parent / f".{target.name}.lock"
-    with open(lock_path, "w") as lock, _flock(lock):
+    with open(target.parent / f".{target.name}.lock", "w") as lock, _flock(lock):
         if (target / "config.json").exists():
             return target
-        _convert(target)
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        build(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
     return target
 
 
@@ -87,13 +94,8 @@ def _convert(target: Path) -> None:
         str(src.parent), gguf_file=src.name, dtype=torch.float32
     )
     make_trainable(model)
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    if target.exists():
-        shutil.rmtree(target)
-    tmp.rename(target)
+    model.save_pretrained(target)
+    tok.save_pretrained(target)
 
 
 def make_trainable(model: object) -> None:

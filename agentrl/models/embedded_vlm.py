@@ -30,13 +30,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentrl.models.embedded import _flock, cache_root
+from agentrl.models.embedded import built_once, cache_root
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -81,22 +79,9 @@ that noise rewrote the features within 8 steps (held-out pass@1 0.88 -> 0.67).""
 
 
 def embedded_vlm_dir() -> Path:
-    """The built model's directory, building it first if needed (a few minutes on a CPU; a
-    file lock makes concurrent first uses build once)."""
-    target = cache_root() / "models" / f"{EMBEDDED_VLM_NAME}-{_VERSION}"
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock, _flock(lock):
-        if (target / "config.json").exists():
-            return target
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        build(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    return target
+    """The built model's directory, building it first if needed (under a minute on a 2-core
+    CPU, once: `agentrl.models.embedded.built_once`)."""
+    return built_once(cache_root() / "models" / f"{EMBEDDED_VLM_NAME}-{_VERSION}", build)
 
 
 def untrained() -> tuple[PreTrainedModel, PreTrainedTokenizerBase, Any]:

@@ -79,11 +79,9 @@ class VisionProcessor:
                 f"vision-language model type {self.family!r} is not supported; agentrl handles "
                 f"{', '.join(FAMILIES)} (Qwen2-VL / Qwen2.5-VL and LLaVA families)"
             )
-        token = getattr(config, "image_token_id", None)
+        token = image_token_of(config)
         if token is None:
-            token = getattr(config, "image_token_index", None)
-        if not isinstance(token, int):
-            raise ValueError(f"the {self.family} config has no integer image_token_id")  # noqa: TRY004
+            raise ValueError(f"the {self.family} config has no integer image_token_id")
         self.image_token_id = token
         self.image_processor = image_processor
         self.max_images = max_images
@@ -248,6 +246,15 @@ def check_image(pixels: Any) -> np.ndarray:
     if px.shape[0] < 2 or px.shape[1] < 2:
         raise ImageError(f"image of {px.shape[1]}x{px.shape[0]} pixels is too small to process")
     return px
+
+
+def image_token_of(config: Any) -> int | None:
+    """The image placeholder's token id a vision-language config names (`image_token_id`, or
+    LLaVA's `image_token_index`); None if it names none."""
+    token = getattr(config, "image_token_id", None)
+    if token is None:
+        token = getattr(config, "image_token_index", None)
+    return token if isinstance(token, int) else None
 
 
 def is_vision_config(config: Any) -> bool:
