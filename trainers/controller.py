@@ -10,6 +10,7 @@ sampled ahead of training, each turn recording the policy version it was sampled
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import json
@@ -265,7 +266,8 @@ class Trainer:
         if len(trajs) < self.cfg.num_policy_workers:
             return self._bad_step(TrainingError(
                 f"{len(sampled) - len(trajs)} of {len(sampled)} episodes were discarded (their "
-                f"environment or sandbox failed; see info in the step's rollouts file)"))
+                f"environment or sandbox failed{_commonest_error(sampled)}; see info in the "
+                f"step's rollouts file)"))
         scored = self._shape_rewards(trajs)
         try:
             metrics = self.policy.call(  # type: ignore[union-attr]
@@ -477,6 +479,16 @@ def preflight(cfg: TrainConfig, gpus: int) -> None:
     if cuda and tp > gpus:
         raise ValueError(f"--rollout.tensor_parallel_size {tp} is more than the {gpus} GPUs "
                          f"visible; use at most {gpus}")
+
+
+def _commonest_error(trajs: list[Trajectory]) -> str:
+    """', most often with: <error> (k episodes)' for a message, or '' if none carries one."""
+    errors = collections.Counter(str(t.info["error"]) for t in trajs
+                                 if t.discard and "error" in t.info)
+    if not errors:
+        return ""
+    error, k = errors.most_common(1)[0]
+    return f", most often with: {error[:500]} ({k} episode{'s' if k > 1 else ''})"
 
 
 def _free_tcp_address() -> str:

@@ -9,12 +9,14 @@ from trainers.config import TrainConfig
 
 
 def run(cfg: TrainConfig) -> int:
+    from agentrl.sandbox import SandboxUnavailableError
     from trainers.controller import Trainer, TrainingError
 
     try:
         summary = Trainer(cfg).run()
-    except TrainingError as e:
-        print(f"agentrl train: {e}", file=sys.stderr)
+    except (TrainingError, SandboxUnavailableError) as e:  # the latter says how to fix it
+        # A Ray worker's error is re-raised as its class too; `cause` is it without Ray's trace.
+        print(f"agentrl train: {getattr(e, 'cause', None) or e}", file=sys.stderr)
         return 1
     except ValueError as e:  # a flag that does not fit the machine (checked before loading)
         print(f"agentrl train: {e}", file=sys.stderr)

@@ -12,8 +12,10 @@ every env, bridged chat envs included: an episode that runs out ends truncated w
 A trajectory holds what the policy conditioned on and sampled: an observation returned with
 `terminated`/`truncated` (which no action follows) is not appended.
 
-An episode whose env raises ends there: the trajectory keeps the turns so far, is marked
-truncated and carries `info["error"]`; the other episodes are unaffected. Engine failures
+An episode whose env raises in `reset` or `step` ends there: the trajectory keeps the turns so
+far, is marked truncated and carries `info["error"]`; the other episodes are unaffected. An env
+that cannot be built (`env_fn` raises: a missing sandbox, a bad env argument) fails the
+collection with its own error, since every episode would fail the same way. Engine failures
 (other than a context overflow, which truncates the episode) propagate.
 """
 
@@ -168,9 +170,8 @@ async def _episode(
     builder = TrajectoryBuilder(group=ep.group)
     info: dict[str, Any] = {}
     terminated = truncated = False
-    env: gym.Env | None = None
+    env: gym.Env = await call(env_fn)  # cannot be built: not this episode's fault, raise
     try:
-        env = await call(env_fn)
         obs, info = await call(env.reset, seed=ep.seed, options=ep.options)
         info = dict(info)
         context, images = _observe(builder, obs, [], [], engine)
@@ -218,8 +219,7 @@ async def _episode(
             raise
         truncated, info["error"], info["discard"] = True, repr(e), True
     finally:
-        if env is not None:
-            await call(env.close)
+        await call(env.close)
     info.update(prompt_index=ep.prompt_index, sample_index=ep.sample_index, seed=ep.seed)
     return builder.build(terminated=bool(terminated), truncated=bool(truncated), info=info,
                          discard=bool(info.get("discard", False)))

@@ -120,6 +120,18 @@ async def test_raising_step_recorded_without_losing_others(engine, tiny_tokenize
         t.validate()
 
 
+async def test_an_env_that_cannot_be_built_fails_the_collection(engine, tiny_tokenizer):
+    """A missing sandbox (say) is the machine's fault, not an episode's: it is raised with its
+    fix-it message instead of turning every episode into a discarded one."""
+    from agentrl.sandbox import SandboxUnavailableError
+
+    def env_fn():
+        raise SandboxUnavailableError("bubblewrap was not found. Fix: install bubblewrap")
+
+    with pytest.raises(SandboxUnavailableError, match="install bubblewrap"):
+        await collect(engine, env_fn, num_prompts=3, sampling=SAMPLING)
+
+
 async def test_token_budgets(engine, tiny_tokenizer):
     env_fn = lambda: gym.make("agentrl/Digits-v0", tokenizer=tiny_tokenizer, turns=50)
     trajs = await collect(engine, env_fn, num_prompts=2, sampling=SAMPLING, max_episode_tokens=100)

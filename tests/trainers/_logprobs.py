@@ -15,8 +15,10 @@ def sampled_logprob_gap(worker: Any, trajectories: list) -> tuple[float, int]:
 
     batch = collate(trajectories, worker.pad_id)
     add_images(batch, trajectories, worker.vision, worker.model)
+    batch = batch.to(worker.device)
     sampled = batch.mask.bool()
     with torch.no_grad():
         logp, _ = worker._logprobs(worker.policy, worker.model, batch,
-                                   (torch.arange(batch.size), int(batch.lengths.max())))
+                                   (torch.arange(batch.size, device=worker.device),
+                                    int(batch.lengths.max())))
     return float((logp - batch.rollout_logp).abs()[sampled].max()), int(sampled.sum())

@@ -46,6 +46,28 @@ def test_a_step_with_everything_discarded_is_skipped_then_stops(
     make_cfg, recorded_rollouts, tmp_path
 ):
     path = _with_discards(recorded_rollouts, tmp_path, lambda i: True)
+    trajs = load_jsonl(path)
+    for i, t in enumerate(trajs):  # the message names the commonest failure, with its count
+        t.info["error"] = "RuntimeError('grader crashed')" if i % 4 else "TimeoutError()"
+    save_jsonl(trajs, path)
     cfg = make_cfg(replay=str(path), steps=2, max_bad_steps=1)
-    with pytest.raises(TrainingError, match=r"32 of 32 episodes were discarded .* Last checkpoint"):
+    with pytest.raises(TrainingError, match=r"32 of 32 episodes were discarded \(their "
+                       r"environment or sandbox failed, most often with: RuntimeError\('grader "
+                       r"crashed'\) \(24 episodes\); .* Last checkpoint"):
         Trainer(cfg).run()
+
+
+def test_a_missing_sandbox_stops_the_run_at_once_with_its_fix(make_cfg, capsys):
+    """math-tir on a machine without bubblewrap: `agentrl train` exits 1 at the first rollout
+    with the sandbox's own message (how to install it, or how to opt into the unisolated tier),
+    not after --max_bad_steps steps of "episodes were discarded"."""
+    from trainers.controller_run import run
+
+    cfg = make_cfg(env="math-tir", eval_problems=0, steps=3, env_kwargs={
+        "split": "train", "num_problems": 8,
+        "sandbox_config": {"bwrap_path": "/nonexistent/bwrap"}})
+    assert run(cfg) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("agentrl train: agentrl.sandbox cannot isolate")
+    assert "Traceback" not in err
+    assert "apt-get install -y bubblewrap" in err and "AGENTRL_SANDBOX_ALLOW_UNISOLATED=1" in err
