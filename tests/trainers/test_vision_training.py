@@ -58,8 +58,15 @@ def test_screenshot_turns_are_appended_and_match_a_full_rerender(name):
         tokens = env.token_ids
         if not terminated:
             assert len(obs["images"]) == 1
-            assert sum(t == env.bridge._vision.image_token_id for t in obs["tokens"]) == \
-                env.bridge._vision.encode(obs["images"][0]).num_tokens
+            vision = env.bridge._vision
+            assert sum(t == vision.image_token_id for t in obs["tokens"]) == \
+                vision.encode(obs["images"][0]).tokens.count(vision.image_token_id)
+
+
+def _is_vision(name: str) -> bool:
+    """A parameter of the vision tower or projector (Qwen2-VL, LLaVA, Idefics3 names)."""
+    return any(part in name for part in ("visual", "vision_tower", "multi_modal_projector",
+                                         "vision_model", "connector"))
 
 
 def _rollout(name: str, model, tok) -> list[Trajectory]:
@@ -89,8 +96,9 @@ def test_episodes_record_their_screenshots_where_their_tokens_sit(worker_and_rol
         # A random policy samples non-canonical tokenizations; the template never drifts.
         assert t.info.get("drift", {}).get("kind") != "template"
         for im in t.images:
-            assert im.start >= 0 and set(t.token_ids[im.start:im.end]) == {image_id}
-            assert im.end - im.start == worker.vision.encode(im.pixels).num_tokens
+            # Its span is its expansion: image tokens (and the family's marks around them).
+            assert im.start >= 0 and image_id in t.token_ids[im.start:im.end]
+            assert tuple(t.token_ids[im.start:im.end]) == worker.vision.encode(im.pixels).tokens
         # Observation tokens only: the policy never samples an image token.
         assert all(t.loss_mask[i] == 0 for im in t.images for i in range(im.start, im.end))
         assert Trajectory.from_json(t.to_json()).images[1].start == t.images[1].start
@@ -127,7 +135,7 @@ def test_a_training_step_on_screenshot_episodes(worker_and_rollouts):
     moved = [k for k, v in worker.model.named_parameters() if not torch.equal(v, before[k])]
     # The language model and the vision tower both learn from the screenshots.
     assert any("lm_head" in k or "embed_tokens" in k for k in moved)
-    assert any("visual" in k or "vision_tower" in k or "projector" in k for k in moved)
+    assert any(_is_vision(k) for k in moved)
 
 
 def test_a_text_policy_refuses_screenshot_episodes(worker_and_rollouts, tmp_path):
@@ -161,7 +169,7 @@ def test_the_ppo_critic_sees_the_screenshots(name, tmp_path):
         metrics = worker.train(trajs, kl_coef=0.0)
         assert np.isfinite(metrics["value_loss"])
     moved = {k for k, v in critic.named_parameters() if not torch.equal(v, before[k])}
-    assert any("visual" in k or "vision_tower" in k for k in moved), sorted(moved)[:5]
+    assert any(_is_vision(k) for k in moved), sorted(moved)[:5]
     blank = [dataclasses.replace(t, images=[dataclasses.replace(im, pixels=np.zeros_like(
         im.pixels)) for im in t.images]) for t in trajs]
 
@@ -173,7 +181,9 @@ def test_the_ppo_critic_sees_the_screenshots(name, tmp_path):
         worker._fill(batch, "values", worker.critic)
         return batch.extras["values"]
 
-    assert (values(trajs) - values(blank)).abs().max() > 1e-4
+    # The head is young (two steps), so values are small: compare with their own size.
+    seen = values(trajs)
+    assert (seen - values(blank)).abs().max() > 0.05 * seen.abs().max() > 0
 
 
 def test_an_episode_whose_policy_sampled_the_image_token_is_discarded(tmp_path):

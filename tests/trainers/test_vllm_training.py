@@ -38,6 +38,42 @@ def test_vllm_samples_with_the_trained_weights(make_cfg, tiny_vllm_dir):
         worker.engine.close()
 
 
+def test_vllm_samples_screenshot_episodes_with_the_trained_weights(make_cfg, tiny_idefics3_dir):
+    """A vision-language policy (tiny Idefics3: tiled screenshots) with the real vLLM: the
+    screenshots go to vLLM as multi_modal_data on the collapsed prompt, its sampled log-probs
+    equal the trainer's on the expanded one, and after an update (vision tower included) vLLM
+    samples with the new weights."""
+    from trainers.policy import PolicyWorker
+
+    cfg = make_cfg(env="screen-click", env_kwargs={"split": "train"},
+                   actor={"model": tiny_idefics3_dir, "lr": 1e-2},
+                   rollout={"engine": "vllm", "prompts_per_step": 2, "n_samples_per_prompt": 2,
+                            "max_new_tokens": 8, "max_turns": 2, "max_episode_tokens": 1024},
+                   micro_batch_size=8)
+    worker = PolicyWorker(cfg, with_engine=True)
+    try:
+        initial = {k: v.clone() for k, v in worker.model.state_dict().items()}
+        before = worker.collect([0, 1], 0)
+        assert all(t.images for t in before)
+        gap, tokens = sampled_logprob_gap(worker, before)
+        assert tokens > 10 and gap < 1e-4
+        for i, t in enumerate(before):  # a random policy misses every target: give the
+            t.turns[-1].reward = float(i % 2)  # groups a spread, so the update moves weights
+        metrics = worker.train(before, 0.0)
+        assert worker.engine.version == 1 and metrics["grad_norm"] > 0
+        after = worker.collect([2, 3], 1)
+        assert all(t.images and t.policy_versions == [1] * len(t.turns) for t in after)
+        gap, tokens = sampled_logprob_gap(worker, after)
+        assert tokens > 10 and gap < 1e-4
+        worker.model.load_state_dict(initial)
+        stale = sampled_logprob_gap(worker, after)[0]
+        print(f"vLLM vs trainer after the update: {gap:.1e} over {tokens} tokens; "
+              f"under the old weights: {stale:.1e}")
+        assert stale > 1e-3
+    finally:
+        worker.engine.close()
+
+
 def test_agentrl_train_with_vllm_learns(tiny_vllm_dir, tmp_path):
     """`agentrl train --env digits --rollout.engine vllm`, as a user runs it (Ray, colocated):
     the reward rises, and the run stops vLLM's engine process when it ends."""
