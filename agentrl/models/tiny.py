@@ -182,9 +182,10 @@ def tiny_vlm_parts(name: str) -> tuple[Any, Any]:
 
         if name == TINY_QWEN2_VL:
             config_cls: Any = Qwen2VLConfig
-            vision = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
-                      "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
-                      "in_chans": 3, "mlp_ratio": 2}
+            vision: dict[str, Any] = {
+                "depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "patch_size": 14,
+                "spatial_merge_size": 2, "temporal_patch_size": 2, "in_chans": 3, "mlp_ratio": 2,
+            }
         else:
             # Qwen2.5-VL's tower: windowed attention (2x2 merged tokens per window here) in
             # the first block, full attention in the second, gated MLPs, RMSNorm.
