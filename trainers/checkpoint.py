@@ -3,7 +3,8 @@
 Layout: `run_dir/checkpoints/step_000004/{worker.pt, trainer_state.json, queue.jsonl}` plus
 `run_dir/checkpoints/latest` naming the newest. A checkpoint is written to a temporary
 directory and renamed into place, and `latest` is replaced atomically after that, so a crash
-while saving leaves the previous checkpoint usable.
+while saving leaves the previous checkpoint usable. The newest `keep` are kept, and the one
+`checkpoints/best` names (`--keep_best`, with its metric in `best.json`) is never pruned.
 """
 
 from __future__ import annotations
@@ -47,8 +48,28 @@ def save_checkpoint(
     latest_tmp = root / ".latest.tmp"
     latest_tmp.write_text(final.name)
     latest_tmp.replace(root / "latest")
-    _prune(root, keep)
+    prune_checkpoints(run_dir, keep)
     return final
+
+
+def mark_best(run_dir: str | Path, path: Path, metric: str, value: float, step: int) -> None:
+    """Name `path` the best checkpoint (atomically, as `latest`), with what made it best."""
+    root = checkpoint_root(run_dir)
+    info = root / ".best.json.tmp"
+    info.write_text(json.dumps({"checkpoint": path.name, "step": step, metric: value}, indent=2))
+    info.replace(root / "best.json")
+    marker = root / ".best.tmp"
+    marker.write_text(path.name)
+    marker.replace(root / "best")
+
+
+def best_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint `mark_best` named and its record, or None."""
+    root = checkpoint_root(run_dir)
+    if not (root / "best").exists() or not (root / "best.json").exists():
+        return None
+    path = root / (root / "best").read_text().strip()
+    return (path, json.loads((root / "best.json").read_text())) if path.is_dir() else None
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -73,10 +94,14 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Any], l
     return worker, trainer, queue
 
 
-def _prune(root: Path, keep: int) -> None:
+def prune_checkpoints(run_dir: str | Path, keep: int) -> None:
+    """Remove all but the newest `keep` checkpoints and the one `checkpoints/best` names."""
+    root = checkpoint_root(run_dir)
+    best = (root / "best").read_text().strip() if (root / "best").exists() else None
     steps = sorted(p for p in root.glob("step_*") if p.is_dir())
     for old in steps[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.name != best:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def rng_state() -> dict[str, Any]:

@@ -286,10 +286,20 @@ class TrainConfig:
     """Write every step's trajectories to run_dir/rollouts/step_NNNNNN.jsonl (inspect, replay)."""
     save_every: int = 0
     """Checkpoint every N steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Checkpoints kept: the newest K (older ones are removed as new ones are written), plus the
+    best one with --keep_best."""
+    keep_best: str | None = None
+    """Also keep the checkpoint with the best held-out value of this eval metric (pass@1,
+    pass@K with K = --eval_samples, or mean_return); checkpoints/best names it. Needs
+    --eval_every (each periodic eval saves a checkpoint to compare)."""
     resume: str | None = None
     """Resume from a checkpoint directory, or "auto" for the latest in run_dir."""
     eval_problems: int = 0
     """Held-out problems evaluated before and after training (0 = no eval)."""
+    eval_every: int = 0
+    """Also evaluate every N steps during training (0 = only before and after); logged as
+    eval/<metric> beside the training curves. Needs --eval_problems."""
     eval_temperature: float = 1.0
     """Sampling temperature of the evals."""
     eval_samples: int = 1
@@ -300,6 +310,30 @@ class TrainConfig:
     """Also write TensorBoard event files."""
     progress: bool = True
     """Show a progress bar."""
+
+    def eval_metrics(self) -> tuple[str, ...]:
+        """The metrics an eval reports, which --keep_best can name."""
+        return tuple(dict.fromkeys(("pass@1", f"pass@{self.eval_samples}", "mean_return")))
+
+    def _check_evals_and_checkpoints(self) -> None:
+        if self.eval_every < 0 or self.save_every < 0:
+            raise ValueError("--eval_every and --save_every must be >= 0 (0 = off)")
+        if self.keep_last < 1:
+            raise ValueError(f"--keep_last must be >= 1 (the newest checkpoint is what a resume "
+                             f"needs), got {self.keep_last}")
+        if self.eval_every and not self.eval_problems:
+            raise ValueError(f"--eval_every {self.eval_every} needs held-out problems to "
+                             f"evaluate: set --eval_problems N (e.g. 32)")
+        if self.keep_best is not None:
+            metrics = self.eval_metrics()
+            if self.keep_best not in metrics:
+                hint = difflib.get_close_matches(self.keep_best, metrics, n=1)
+                did_you_mean = f" Did you mean {hint[0]!r}?" if hint else ""
+                raise ValueError(f"--keep_best {self.keep_best!r} is not an eval metric."
+                                 f"{did_you_mean} Choose one of: {', '.join(metrics)}")
+            if not self.eval_every:
+                raise ValueError(f"--keep_best {self.keep_best} compares the checkpoints of "
+                                 f"periodic evals: set --eval_every N (and --eval_problems)")
 
     def __post_init__(self) -> None:
         if _DEFER.get():
@@ -320,6 +354,7 @@ class TrainConfig:
             raise ValueError("--micro_batch_size and --epochs_per_step must be >= 1, --steps >= 0")
         if self.eval_samples < 1:
             raise ValueError("--eval_samples must be >= 1")
+        self._check_evals_and_checkpoints()
         from agentrl.backends import DISTRIBUTED, check_backend_name
 
         check_backend_name(self.backend, "--backend")

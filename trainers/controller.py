@@ -22,7 +22,14 @@ from typing import Any
 
 from agentrl.backends import DISTRIBUTED, NonFiniteLossError
 from agentrl.types import Trajectory, dense_group_ids, iter_jsonl, save_jsonl
-from trainers.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainers.checkpoint import (
+    best_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    mark_best,
+    prune_checkpoints,
+    save_checkpoint,
+)
 from trainers.config import TrainConfig
 from trainers.metrics import MetricsLogger
 from trainers.ray_utils import actor_options
@@ -204,15 +211,25 @@ class Trainer:
         try:
             if cfg.eval_problems and self.step == 0:
                 summary["eval_before"] = self._evaluate(log, "eval_before")
+            evaluated = self.step
             while self.step < cfg.steps:
                 metrics = self._train_step()
                 log.log(self.step, metrics)
                 log.progress(self.step, metrics)
-                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+                if self.step == cfg.steps:
+                    break
+                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step > evaluated:
+                    evaluated = self.step  # (a skipped step leaves self.step where it was)
+                    self._keep_if_best(self._evaluate(log, "eval"))
+                elif cfg.save_every and self.step % cfg.save_every == 0:
                     self.save()
-            self.save()
+            path = self.save()
             if cfg.eval_problems:
                 summary["eval_after"] = self._evaluate(log, "eval_after")
+                self._keep_if_best(summary["eval_after"], path)
+            best = best_checkpoint(self.run_dir) if cfg.keep_best else None
+            if best is not None:
+                summary["best"] = best[1]
             hf_dir = self.run_dir / "hf"
             self._policy.call("export_hf", str(hf_dir))
             summary["hf_model"] = str(hf_dir)
@@ -421,11 +438,27 @@ class Trainer:
             self.rollout.call("update_weights", bucket, self.step, i == len(buckets) - 1)
 
     def _evaluate(self, log: MetricsLogger, name: str) -> dict[str, Any]:
+        """A held-out eval, logged as `name`/<metric> at this step; its episodes go to
+        run_dir/`name`.jsonl (periodic ones, `name` "eval", to run_dir/evals/step_N.jsonl)."""
         handle = self.rollout or self._policy
         result = handle.call("evaluate")
-        save_jsonl(result.pop("trajectories"), self.run_dir / f"{name}.jsonl")
+        out = (self.run_dir / "evals" / f"step_{self.step:06d}.jsonl" if name == "eval"
+               else self.run_dir / f"{name}.jsonl")
+        save_jsonl(result.pop("trajectories"), out)
         log.log(self.step, {f"{name}/{k}": v for k, v in result.items()})
         return result
+
+    def _keep_if_best(self, result: dict[str, Any], path: Path | None = None) -> None:
+        """With --keep_best: checkpoint this step (unless `path` already is it) and name it
+        best if its eval beats every earlier one (a resumed run compares with the record)."""
+        metric = self.cfg.keep_best
+        if metric is None:
+            return
+        path = path or self.save()
+        best = best_checkpoint(self.run_dir)
+        if best is None or metric not in best[1] or float(result[metric]) > float(best[1][metric]):
+            mark_best(self.run_dir, path, metric, float(result[metric]), self.step)
+            prune_checkpoints(self.run_dir, self.cfg.keep_last)  # the former best may go now
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
@@ -442,7 +475,8 @@ class Trainer:
         }
         worker_state = self._policy.call("state_dict")
         flat = [traj for _, trajs in pending for traj in trajs]
-        return save_checkpoint(self.run_dir, self.step, worker_state, state, flat)
+        return save_checkpoint(self.run_dir, self.step, worker_state, state, flat,
+                               keep=self.cfg.keep_last)
 
     def _resume(self, where: str) -> None:
         path = latest_checkpoint(self.run_dir) if where == "auto" else Path(where)

@@ -6,8 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-DEFAULT_KEYS = ("reward", "kl", "entropy", "clip_ratio", "mismatch", "response_tokens",
-                "tokens_per_s", "time_step")
+DEFAULT_KEYS = ("reward", "eval/pass@1", "eval/mean_return", "kl", "entropy", "clip_ratio",
+                "mismatch", "response_tokens", "tokens_per_s", "time_step")
 
 
 def load_metrics(run_dir: str | Path) -> list[dict]:
@@ -28,7 +28,12 @@ def plot_run(run_dir: str | Path, keys: tuple[str, ...] = DEFAULT_KEYS) -> list[
     out_dir.mkdir(exist_ok=True)
     written = []
     for key in keys:
-        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
+        # A held-out metric's curve runs from the eval before training through the periodic
+        # ones (--eval_every) to the eval after it.
+        names = (f"eval_before/{key[5:]}", key, f"eval_after/{key[5:]}") \
+            if key.startswith("eval/") else (key,)
+        pts = [(r["step"], r[name]) for r in rows for name in names
+               if isinstance(r.get(name), int | float)]
         if not pts:
             continue
         fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
@@ -37,7 +42,7 @@ def plot_run(run_dir: str | Path, keys: tuple[str, ...] = DEFAULT_KEYS) -> list[
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        path = out_dir / f"{key}.png"
+        path = out_dir / f"{key.replace('/', '_')}.png"
         fig.savefig(path)
         plt.close(fig)
         written.append(path)

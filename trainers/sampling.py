@@ -169,6 +169,7 @@ def evaluate_engine(engine: Any, cfg: TrainConfig, tokenizer: Any) -> dict[str, 
         sampling=sampling_params(cfg, temperature=cfg.eval_temperature),
         max_turns=cfg.rollout.max_turns,
         max_episode_tokens=cfg.rollout.max_episode_tokens,
+        progress=cfg.progress,
     )
     return {
         "pass@1": result.pass_at_1,

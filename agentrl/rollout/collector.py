@@ -81,14 +81,14 @@ async def collect(
             when it runs out the episode ends truncated (an observation that leaves no room
             for an action is not appended).
         max_concurrency: most episodes in flight (and env threads).
-        progress: show a progress bar.
+        progress: show a progress bar (named by the group prefix, e.g. "eval").
         group_prefix: prefix of the group ids.
     """
     episodes = _plan(num_prompts, n_samples_per_prompt, seeds, reset_options, group_prefix)
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     budget = EpisodeBudget(max_turns=max_turns, max_episode_tokens=max_episode_tokens)
-    bar = _progress_bar(len(episodes)) if progress else None
+    bar = _progress_bar(len(episodes), group_prefix.rstrip("-") or "rollout") if progress else None
     sem = asyncio.Semaphore(max_concurrency)
     pool = concurrent.futures.ThreadPoolExecutor(
         max_workers=min(max_concurrency, 32), thread_name_prefix="agentrl-env"
@@ -257,7 +257,7 @@ def _derive_seed(seed: int | None, ep: _Episode, turn: int) -> int | None:
     return hash((seed, ep.prompt_index, ep.sample_index, turn)) & 0x7FFFFFFF
 
 
-def _progress_bar(total: int) -> Any:
+def _progress_bar(total: int, desc: str) -> Any:
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="rollout", unit="ep", dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit="ep", dynamic_ncols=True)

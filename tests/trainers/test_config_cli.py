@@ -42,6 +42,10 @@ DATA_PARALLEL = ["--env", "digits", "--num_policy_workers", "2", "--rollout.mode
         (["--env", "digits", "--backend", "cpu", "--actor.device", "cuda"], r"--backend cpu .* use --backend local \(or auto\) on a GPU"),
         (["--env", "digits", "--rollout.max_turns", "0"], r"--rollout.max_turns must be an integer >= 1 \(or unset for no limit\), got 0"),
         (["--env", "digits", "--rollout.max_episode_tokens", "-5"], r"--rollout.max_episode_tokens must be an integer >= 1 .*got -5"),
+        (["--env", "digits", "--eval_every", "5"], r"--eval_every 5 needs held-out problems to evaluate: set --eval_problems N"),
+        (["--env", "digits", "--eval_every", "5", "--eval_problems", "8", "--keep_best", "pass@2"], r"--keep_best 'pass@2' is not an eval metric. Did you mean 'pass@1'\? Choose one of: pass@1, mean_return"),
+        (["--env", "digits", "--eval_problems", "8", "--keep_best", "mean_return"], r"--keep_best mean_return compares the checkpoints of periodic evals: set --eval_every N"),
+        (["--env", "digits", "--keep_last", "0"], r"--keep_last must be >= 1 .*got 0"),
     ],
 )
 def test_conflicting_flags_fail_before_loading(argv, match, monkeypatch):
