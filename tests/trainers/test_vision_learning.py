@@ -55,16 +55,17 @@ def test_a_tiny_vlm_learns_from_the_screen_and_not_without_it(make_cfg):
 
     def run(blank: bool) -> list[float]:
         cfg = make_cfg(env="test/ColourDigit-v0", env_kwargs={"blank": blank},
-                       actor={"model": "tiny-llava", "lr": 1e-2},
-                       rollout={"max_new_tokens": 4}, steps=80,
+                       actor={"model": "tiny-llava", "lr": 5e-3},
+                       rollout={"max_new_tokens": 4}, steps=120,
                        run_dir=str(Path(make_cfg().run_dir).parent / f"run-{blank}"))
         Trainer(cfg).run()
         return _rewards(cfg.run_dir)
 
     seen, blank = run(False), run(True)
-    # The best 10-step stretch of each run: at lr 1e-2 the tiny model may fall back after it
-    # learned (a fresh-clone CI run rose to ~0.5 by step 70 and was back at 0.25 by step 80),
-    # so the last steps alone are noise; the blanked run must stay at the ceiling throughout.
+    # The best 10-step stretch of each run: the tiny model may fall back after it learned, so
+    # the last steps alone are noise; the blanked run must stay at the ceiling throughout. At
+    # lr 1e-2 and 80 steps a fresh-clone CI run peaked at 0.35 and collapsed; at lr 5e-3 and
+    # 120 steps three seeds gave best stretches 0.57-0.74 with images, 0.27-0.30 blanked.
     best_seen, best_blank = (max(np.convolve(r, np.ones(10) / 10, "valid")) for r in (seen, blank))
     assert best_seen > BLIND_CEILING + 0.15, f"with images: {seen}"
     assert best_blank < BLIND_CEILING + 0.08, f"blanked: {blank}"
