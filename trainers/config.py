@@ -38,7 +38,7 @@ def deferred_validation() -> Iterator[None]:
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Run every section's checks (the CLI parses with them deferred)."""
-    for section in (cfg.actor, cfg.algo, cfg.rollout, cfg):
+    for section in (cfg.actor, cfg.algo, cfg.rollout, cfg.ray, cfg):
         section.__post_init__()
     return cfg
 
@@ -229,6 +229,27 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RayConfig:
+    """Which Ray cluster the run's actors live in."""
+
+    address: str | None = None
+    """Join this running Ray cluster instead of starting a private one: "auto" (the cluster
+    `ray start` runs on this machine) or HOST:PORT (its head's GCS address, `ray start --head
+    --port PORT`). Default: $RAY_ADDRESS if set, else a private local cluster. Every node
+    needs the same Python environment with agentrl installed."""
+
+    def __post_init__(self) -> None:
+        if _DEFER.get():
+            return
+        a = self.address
+        if a is not None and a != "auto":
+            host, sep, port = a.rpartition(":")
+            if not (sep and host and port.isdigit()):
+                raise ValueError(f"--ray.address {a!r}: use auto, or HOST:PORT of the cluster's "
+                                 f"head (e.g. 10.0.0.1:6379)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """One RL run."""
 
@@ -252,6 +273,7 @@ class TrainConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
     steps: int = 10
     """Training steps (one rollout batch each)."""
     epochs_per_step: int = 1

@@ -70,8 +70,9 @@ class _Handle:
 
 class _Group:
     """Data-parallel policy ranks: every call goes to all of them (collectives inside need
-    every rank); the result is rank 0's. `train` gets each rank its slice of the batch, with
-    the slice of the step's group ids (numbered once over the whole batch)."""
+    every rank); `call` gives rank 0's result, `call_all` every rank's. `train` gets each rank
+    its slice of the batch, with the slice of the step's group ids (numbered once over the
+    whole batch)."""
 
     remote = True
 
@@ -80,6 +81,10 @@ class _Group:
         self.obj = actors[0]
 
     def call(self, method: str, *args: Any) -> Any:
+        return self.call_all(method, *args)[0]
+
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        """Every rank's result, in rank order."""
         import ray
 
         if method == "train":
@@ -96,7 +101,7 @@ class _Group:
         else:
             futures = [getattr(a, method).remote(*args) for a in self.actors]
         try:
-            return ray.get(futures)[0]
+            return list(ray.get(futures))
         except ray.exceptions.RayActorError as e:
             raise TrainingError(f"a Ray worker died: {e}") from e
 
@@ -114,6 +119,7 @@ class Trainer:
         self.policy: _Handle | _Group | None = None
         self.rollout: _Handle | None = None
         self.weight_sync = "rpc"  # how weights reach a rollout worker (trainers/weight_sync.py)
+        self.nodes: dict[str, Any] = {}
 
     @property
     def _policy(self) -> _Handle | _Group:
@@ -145,7 +151,7 @@ class Trainer:
 
             from trainers.ray_utils import init_ray
 
-            init_ray()
+            init_ray(address=cfg.ray.address)
             gpus = int(ray.cluster_resources().get("GPU", 0))
             preflight(cfg, gpus)
             self.weight_sync = weight_sync_plan(cfg, gpus)
@@ -191,6 +197,17 @@ class Trainer:
             # placed, which the config checks).
             assert isinstance(self.policy, _Handle)
             self.rollout = self.policy
+        self.nodes = self._nodes()
+        logger.info("Ray nodes: %s", self.nodes)
+
+    def _nodes(self) -> dict[str, Any]:
+        """Which Ray node each worker runs on: policy ranks in order, and the rollout worker."""
+        policy = self._policy
+        ranks = [policy.call("node")] if isinstance(policy, _Handle) else policy.call_all("node")
+        out: dict[str, Any] = {"policy": ranks}
+        if self.rollout is not None and self.rollout is not policy:
+            out["rollout"] = self.rollout.call("node")
+        return out
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any]:
@@ -237,6 +254,7 @@ class Trainer:
             log.close()
             self.close()
         summary["steps"] = self.step
+        summary["nodes"] = self.nodes
         return summary
 
     def close(self) -> None:

@@ -317,6 +317,12 @@ class PolicyWorker:
             self.model.save_pretrained(path, state_dict=weights)
             self.tokenizer.save_pretrained(path)
 
+    def node(self) -> str:
+        """The Ray node this worker runs on."""
+        from trainers.ray_utils import current_node
+
+        return current_node()
+
     def close(self) -> None:
         """Stop the engine (vLLM's engine process with it) before the actor goes away."""
         if self.engine is not None:

@@ -1,4 +1,5 @@
-"""Starting a local Ray cluster the way CI and laptops need it, and what each actor asks of it."""
+"""Starting a local Ray cluster the way CI and laptops need it (or joining a running one), and
+what each actor asks of it."""
 
 from __future__ import annotations
 
@@ -9,11 +10,16 @@ from typing import Any
 
 from trainers.config import TrainConfig
 
+CONNECT_TIMEOUT_S = 5.0
 
-def init_ray(num_cpus: int | None = None) -> None:
-    """Start (or join) a local Ray cluster: no dashboard, no auth token, a private temp dir.
 
-    Current Ray has no `local_mode`; a real local cluster costs ~3 s to start.
+def init_ray(num_cpus: int | None = None, address: str | None = None) -> None:
+    """Join the Ray cluster at `address` (or $RAY_ADDRESS), or start a private local one: no
+    dashboard, no auth token, a private temp dir.
+
+    A HOST:PORT that does not answer fails within `CONNECT_TIMEOUT_S` with what to check,
+    instead of Ray's own minute of retries. Current Ray has no `local_mode`; a real local
+    cluster costs ~3 s to start.
     """
     import ray
 
@@ -21,6 +27,16 @@ def init_ray(num_cpus: int | None = None) -> None:
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is not None:
+        _check_answers(address)
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except ConnectionError as e:
+            raise ValueError(f"--ray.address {address}: {e}. Start one with `ray start --head`, "
+                             f"or leave --ray.address (and RAY_ADDRESS) unset for a private "
+                             f"local cluster") from None
+        return
     ray.init(
         num_cpus=num_cpus or os.cpu_count() or 2,
         include_dashboard=False,
@@ -28,6 +44,30 @@ def init_ray(num_cpus: int | None = None) -> None:
         log_to_driver=True,
         _temp_dir=os.environ.get("AGENTRL_RAY_TMP") or tempfile.mkdtemp(prefix="agentrl-ray-"),
     )
+
+
+def _check_answers(address: str) -> None:
+    """Fail fast when HOST:PORT has nobody listening ("auto" is Ray's to find)."""
+    if address == "auto":
+        return
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"--ray.address {address}: nothing answers there ({e}). Check that the cluster's "
+            f"head runs (`ray start --head --port {port}` on {host}) and that this machine "
+            f"reaches it; leave --ray.address (and RAY_ADDRESS) unset for a private local cluster"
+        ) from None
+
+
+def current_node() -> str:
+    """The Ray node id of this process ("local" outside Ray)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
 
 
 def actor_options(

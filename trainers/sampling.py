@@ -248,6 +248,12 @@ class RolloutWorker:
             raise ValueError("the vllm engine keeps its weights in its own processes")
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
+    def node(self) -> str:
+        """The Ray node this worker runs on."""
+        from trainers.ray_utils import current_node
+
+        return current_node()
+
     def close(self) -> None:
         """Stop the engine (vLLM's engine process with it) before the actor goes away."""
         self.engine.close()

@@ -10,7 +10,8 @@ from trainers.presets import digits
 def tiny_cfg(tmp_path, **overrides):
     """The digits preset (tiny model) in a temp run dir, no progress bar, no TensorBoard."""
     cfg = digits()
-    sections = {k: overrides.pop(k) for k in ("actor", "algo", "rollout") if k in overrides}
+    sections = {k: overrides.pop(k) for k in ("actor", "algo", "rollout", "ray")
+                if k in overrides}
     for name, changes in sections.items():
         overrides[name] = dataclasses.replace(getattr(cfg, name), **changes)
     base = dict(run_dir=str(tmp_path / "run"), use_ray=False, progress=False, tensorboard=False)

@@ -1,0 +1,87 @@
+"""Joining a running Ray cluster (`--ray.address`): a real two-raylet local cluster, a run whose
+policy and rollout workers land on different nodes with weight sync between them, and an
+address that does not answer."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from trainers.controller import Trainer
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.fixture
+def two_node_cluster(monkeypatch):
+    """A head and a second raylet, one CPU each, so two one-CPU workers cannot share a node."""
+    import shutil
+    import tempfile
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():  # a private cluster of an earlier test in this process
+        ray.shutdown()
+    tmp = tempfile.mkdtemp(prefix="ray2-")  # short: Ray's socket paths must fit in 107 bytes
+    monkeypatch.setenv("RAY_TMPDIR", tmp)  # where the cluster notes its address (for "auto")
+    Path(tmp, "ray").mkdir()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": False, "temp_dir": tmp})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_placed_run_spreads_over_the_nodes_of_a_joined_cluster(two_node_cluster, make_cfg):
+    import ray
+
+    cfg = make_cfg(use_ray=True, steps=3, ray={"address": two_node_cluster.address},
+                   rollout={"mode": "placed"})
+    summary = Trainer(cfg).run()
+    nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert len(nodes) == 2
+    [policy], rollout = summary["nodes"]["policy"], summary["nodes"]["rollout"]
+    assert {policy, rollout} == nodes  # one worker on each node
+    rows = [json.loads(x) for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "reward" in r] == [1, 2, 3]
+    # Each step's episodes were sampled on the other node with the weights of the step before:
+    # the sync crossed nodes every step.
+    from agentrl.types import load_jsonl
+
+    versions = [{v for t in load_jsonl(Path(cfg.run_dir) / "rollouts" / f"step_{s:06d}.jsonl")
+                 for v in t.policy_versions} for s in (1, 2, 3)]
+    assert versions == [{0}, {1}, {2}]
+
+
+def test_an_address_that_does_not_answer_fails_within_seconds(make_cfg):
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = make_cfg(use_ray=True, ray={"address": f"127.0.0.1:{port}"})
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=rf"--ray.address 127.0.0.1:{port}: nothing answers "
+                                         rf"there .*`ray start --head --port {port}`"):
+        Trainer(cfg).run()
+    assert time.monotonic() - start < 10
+    assert not ray.is_initialized()
+
+
+def test_a_malformed_address_is_refused_before_anything_starts():
+    from trainers.cli import build_config
+
+    with pytest.raises(ValueError, match=r"--ray.address 'headnode': use auto, or HOST:PORT"):
+        build_config(["--env", "digits", "--ray.address", "headnode"])
