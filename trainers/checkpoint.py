@@ -94,6 +94,41 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Any], l
     return worker, trainer, queue
 
 
+def remove_partial(run_dir: str | Path) -> list[Path]:
+    """Delete what a save cut short left behind (`.tmp_step_*` directories, half-written
+    markers); returns what it removed. Called at resume and at the end of a run, when no save
+    of this run is in progress."""
+    root = checkpoint_root(run_dir)
+    gone = [p for pattern in (".tmp_step_*", ".latest.tmp", ".best.tmp", ".best.json.tmp")
+            for p in root.glob(pattern)]
+    for p in gone:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return gone
+
+
+def rewind_run_files(run_dir: str | Path, step: int) -> None:
+    """Make the run's files read as one uninterrupted run up to `step` (the checkpoint a run
+    resumes from): metrics.jsonl loses the lines of later steps (rewritten atomically), and
+    the rollouts and periodic evals of later steps are removed; the resumed run writes them
+    again."""
+    run_dir = Path(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        lines = metrics.read_text().splitlines(keepends=True)
+        kept = [x for x in lines if x.strip() and json.loads(x).get("step", 0) <= step]
+        if len(kept) != len(lines):
+            tmp = metrics.with_name(".metrics.jsonl.tmp")
+            tmp.write_text("".join(kept))
+            tmp.replace(metrics)
+    for folder in ("rollouts", "evals"):
+        for f in (run_dir / folder).glob("step_*.jsonl"):
+            if int(f.stem.removeprefix("step_")) > step:
+                f.unlink()
+
+
 def prune_checkpoints(run_dir: str | Path, keep: int) -> None:
     """Remove all but the newest `keep` checkpoints and the one `checkpoints/best` names."""
     root = checkpoint_root(run_dir)

@@ -28,6 +28,8 @@ from trainers.checkpoint import (
     load_checkpoint,
     mark_best,
     prune_checkpoints,
+    remove_partial,
+    rewind_run_files,
     save_checkpoint,
 )
 from trainers.config import TrainConfig
@@ -241,6 +243,7 @@ class Trainer:
                 elif cfg.save_every and self.step % cfg.save_every == 0:
                     self.save()
             path = self.save()
+            remove_partial(self.run_dir)
             if cfg.eval_problems:
                 summary["eval_after"] = self._evaluate(log, "eval_after")
                 self._keep_if_best(summary["eval_after"], path)
@@ -503,6 +506,9 @@ class Trainer:
         worker_state, state, queue = load_checkpoint(path)
         self._policy.call("load_state_dict", worker_state)
         self.step, self.data_pos = int(state["step"]), int(state["data_pos"])
+        for partial in remove_partial(self.run_dir):
+            logger.info("removed %s, left by a save that was cut short", partial)
+        rewind_run_files(self.run_dir, self.step)
         self.kl_coef, self.bad_steps = float(state["kl_coef"]), int(state["bad_steps"])
         it = iter(queue)
         self.queue = deque(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,6 +110,39 @@ def test_resume_is_exact(make_cfg, recorded_rollouts, tmp_path):
     for k in wa["model"]:
         assert torch.equal(wa["model"][k], wb["model"][k]), k
     assert wa["optimizer"]["state"].keys() == wb["optimizer"]["state"].keys()
+
+
+def test_a_resumed_run_reads_as_one_run_and_leaves_no_partial_checkpoint(
+    make_cfg, recorded_rollouts
+):
+    """A crash after step 4 was logged but before its checkpoint was complete: the resume from
+    step 2 rewinds metrics.jsonl and the rollouts to step 2 (no step logged twice) and removes
+    the half-written checkpoint directory."""
+    import shutil
+
+    cfg = make_cfg(replay=str(recorded_rollouts), steps=4, save_every=2)
+    Trainer(cfg).run()
+    root = Path(cfg.run_dir) / "checkpoints"
+    shutil.rmtree(root / "step_000004")
+    (root / "latest").write_text("step_000002")
+    partial = root / ".tmp_step_000004_4242"
+    partial.mkdir()
+    (partial / "worker.pt").write_bytes(b"cut short")
+    Trainer(make_cfg(replay=str(recorded_rollouts), steps=4, save_every=2, resume="auto")).run()
+    rows = [json.loads(x) for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (Path(cfg.run_dir) / "rollouts").iterdir()) == [
+        f"step_{s:06d}.jsonl" for s in (1, 2, 3, 4)]
+    assert not list(root.glob(".tmp_step_*"))
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000002", "step_000004"]
+
+
+def test_a_run_ends_without_partial_checkpoints(make_cfg, recorded_rollouts):
+    cfg = make_cfg(replay=str(recorded_rollouts), steps=1)
+    stale = Path(cfg.run_dir) / "checkpoints" / ".tmp_step_000007_99"
+    stale.mkdir(parents=True)
+    Trainer(cfg).run()
+    assert not stale.exists() and (stale.parent / "step_000001").is_dir()
 
 
 def test_non_finite_loss_skips_then_stops_with_checkpoint(make_cfg, recorded_rollouts):
