@@ -4,6 +4,7 @@ that receives weights in buckets.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -53,12 +54,25 @@ def env_factory(cfg: TrainConfig, tokenizer: Any, *, eval_split: bool = False) -
     return lambda: gym.make(env_id, tokenizer=tokenizer, **kwargs)
 
 
-def sampling_params(cfg: TrainConfig, *, temperature: float | None = None) -> SamplingParams:
+def sampling_params(
+    cfg: TrainConfig, *, purpose: int | str, temperature: float | None = None
+) -> SamplingParams:
+    """The run's sampling, seeded from --seed and `purpose` (a training step, or "eval"): the
+    collector derives each episode's and turn's seed from it, so the same seed, config and
+    machine sample the same tokens, and a resumed run samples what an uninterrupted one would.
+    Evals before and after training share their seeds (common random numbers)."""
     return SamplingParams(
         temperature=cfg.rollout.temperature if temperature is None else temperature,
         top_p=cfg.rollout.top_p,
         max_tokens=cfg.rollout.max_new_tokens,
+        seed=stable_seed(cfg.seed, purpose),
     )
+
+
+def stable_seed(*parts: int | str) -> int:
+    """A 31-bit seed from `parts`, the same in every process (`hash` salts strings)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
 def collect_for_step(
@@ -71,7 +85,7 @@ def collect_for_step(
         env_factory(cfg, tokenizer),
         num_prompts=len(seeds),
         n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
-        sampling=sampling_params(cfg),
+        sampling=sampling_params(cfg, purpose=step),
         seeds=seeds,
         max_turns=cfg.rollout.max_turns,
         max_episode_tokens=cfg.rollout.max_episode_tokens,
@@ -166,7 +180,7 @@ def evaluate_engine(engine: Any, cfg: TrainConfig, tokenizer: Any) -> dict[str, 
         env_factory(cfg, tokenizer, eval_split=True),
         num_problems=cfg.eval_problems,
         k=cfg.eval_samples,
-        sampling=sampling_params(cfg, temperature=cfg.eval_temperature),
+        sampling=sampling_params(cfg, purpose="eval", temperature=cfg.eval_temperature),
         max_turns=cfg.rollout.max_turns,
         max_episode_tokens=cfg.rollout.max_episode_tokens,
         progress=cfg.progress,
