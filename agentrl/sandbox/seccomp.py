@@ -6,9 +6,12 @@ installs it after setting up the namespaces, so it constrains only the sandboxed
 Why these calls (sandbox.md, layer 6): the namespaces and dropped capabilities already make
 most of them fail, but each one is kernel attack surface that arithmetic code never needs:
 io_uring and bpf (frequent kernel CVEs, and io_uring bypasses per-syscall filtering), ptrace
-and process_vm_* (reading other sandboxed processes), mount/unshare/setns/new mount API
-(namespace games), keyrings, module loading, userfaultfd (exploit timing primitive) and inet
-sockets (the network namespace already has only its own loopback; this makes the intent explicit).
+and process_vm_* (reading other sandboxed processes), the pidfd calls and kcmp (pidfd_getfd
+copies another process's descriptors: the sandbox init's fd 0 is the host's status pipe),
+mount/unshare/setns/new mount API (namespace games), keyrings, module loading, userfaultfd
+(exploit timing primitive), and sockets of every family but AF_UNIX (inet: the network namespace
+already has only its own loopback; vsock is not namespaced at all, so a guest could take a port
+the host needs; netlink and packet are kernel attack surface).
 Denied calls fail with EPERM rather than killing, so a library probing for io_uring degrades.
 
 Only x86_64 is supported: syscall numbers differ per architecture and an untested table would
@@ -36,8 +39,11 @@ _DENIED_X86_64: dict[str, int] = {
     "kexec_file_load": 320, "bpf": 321, "userfaultfd": 323, "io_uring_setup": 425,
     "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428, "move_mount": 429,
     "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
+    "kcmp": 312, "pidfd_send_signal": 424, "pidfd_open": 434, "pidfd_getfd": 438,
+    "process_madvise": 440,
 }
 _SYS_SOCKET_X86_64 = 41
+_SYS_SOCKETPAIR_X86_64 = 53
 
 # Classic BPF opcodes (linux/filter.h) and seccomp return values (linux/seccomp.h).
 _LD_W_ABS = 0x20
@@ -62,7 +68,8 @@ def build_filter() -> bytes | None:
     denied = sorted(set(_DENIED_X86_64.values()))
     deny_errno = _RET_ERRNO | errno.EPERM
     # Layout: [0] ld arch, [1] jeq arch, [2] ld nr, [3] jge x32, [4..] jeq denied...,
-    # then socket check (4 insns), then ALLOW, DENY, KILL. Jumps are relative to the next insn.
+    # then the socket family check (4 insns: socket or socketpair -> load arg0 -> AF_UNIX or
+    # deny), then ALLOW, DENY, KILL. Jumps are relative to the next insn.
     body: list[tuple[int, int, str | None, str | None]] = [
         (_LD_W_ABS, _OFF_ARCH, None, None),
         (_JEQ_K, _AUDIT_ARCH_X86_64, None, "kill"),
@@ -71,12 +78,13 @@ def build_filter() -> bytes | None:
     ]
     body += [(_JEQ_K, nr, "deny", None) for nr in denied]
     body += [
-        (_JEQ_K, _SYS_SOCKET_X86_64, None, "allow"),
+        (_JEQ_K, _SYS_SOCKET_X86_64, "family", None),
+        (_JEQ_K, _SYS_SOCKETPAIR_X86_64, None, "allow"),
         (_LD_W_ABS, _OFF_ARG0, None, None),
-        (_JEQ_K, socket.AF_INET, "deny", None),
-        (_JEQ_K, socket.AF_INET6, "deny", None),
+        (_JEQ_K, socket.AF_UNIX, "allow", "deny"),
     ]
-    labels = {"allow": len(body), "deny": len(body) + 1, "kill": len(body) + 2}
+    labels = {"family": len(body) - 2, "allow": len(body), "deny": len(body) + 1,
+              "kill": len(body) + 2}
     program = bytearray()
     for index, (code, k, jt, jf) in enumerate(body):
         jt_off = labels[jt] - index - 1 if jt else 0

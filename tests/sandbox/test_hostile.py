@@ -331,6 +331,35 @@ def test_kernel_escapes_via_ctypes_fail(sb: Sandbox) -> None:
     assert seccomp_mode == ("2" if sb.layers["seccomp"] else "0")  # 2: filter mode
 
 
+def test_reaching_outside_the_guest_is_denied_by_seccomp(sb: Sandbox) -> None:
+    """Sockets of any family but AF_UNIX (vsock is not namespaced: a guest could take a port the
+    host needs) and the calls that reach other processes' descriptors (pidfd_getfd would copy
+    the sandbox init's fd 0, the host's status pipe) fail with seccomp's EPERM, not with
+    whatever the namespaces happen to answer; AF_UNIX sockets and socketpairs still work."""
+    if not sb.layers["seccomp"]:
+        pytest.skip("the seccomp layer is inactive on this architecture")
+    code = (
+        "import ctypes, socket\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "def call(name, *args):\n    ctypes.set_errno(0)\n"
+        "    print(name, libc.syscall(*args), ctypes.get_errno())\n"
+        "call('socket_vsock', 41, 40, 1, 0)\n"  # AF_VSOCK, SOCK_STREAM
+        "call('socket_netlink', 41, 16, 3, 0)\n"  # AF_NETLINK, SOCK_RAW
+        "call('socket_packet', 41, 17, 3, 0)\n"  # AF_PACKET
+        "call('socketpair_inet', 53, 2, 1, 0, ctypes.create_string_buffer(8))\n"
+        "call('pidfd_open', 434, 1, 0)\n"  # the sandbox's init
+        "call('pidfd_getfd', 438, -1, 0, 0)\n"
+        "call('pidfd_send_signal', 424, -1, 9, None, 0)\n"
+        "call('kcmp', 312, 1, 1, 0, 0, 0)\n"
+        "a, b = socket.socketpair(); socket.socket(socket.AF_UNIX).close()\n"
+        "a.sendall(b'x'); print('unix', b.recv(1).decode())"
+    )
+    result = sb.run(code)
+    assert result.status == "ok", result
+    *calls, unix = result.stdout.splitlines()
+    assert {tuple(line.split()[1:]) for line in calls} == {("-1", "1")}, result.stdout  # EPERM
+    assert unix == "unix x"
+
+
 @pytest.mark.slow
 def test_innocent_program_beside_fork_bomb(sb: Sandbox) -> None:
     bomb_result: list[object] = []
