@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,11 @@ logger = logging.getLogger(__name__)
 
 class TrainingError(RuntimeError):
     """Training cannot go on; the last checkpoint is intact and named in the message."""
+
+
+class StopRequested(TrainingError):
+    """The run was asked to stop (`Trainer.request_stop`, SIGTERM in the CLI); it stopped
+    between steps with a checkpoint of the last one."""
 
 
 class _Handle:
@@ -122,6 +128,10 @@ class Trainer:
         self.rollout: _Handle | None = None
         self.weight_sync = "rpc"  # how weights reach a rollout worker (trainers/weight_sync.py)
         self.nodes: dict[str, Any] = {}
+        self._stop: str | None = None  # why the run was asked to stop (see request_stop)
+        self.on_started: list[Callable[[], None]] = []
+        """Called once the workers (and Ray) are up: the CLI installs its SIGTERM handler then,
+        after Ray has installed its own."""
 
     @property
     def _policy(self) -> _Handle | _Group:
@@ -201,6 +211,8 @@ class Trainer:
             self.rollout = self.policy
         self.nodes = self._nodes()
         logger.info("Ray nodes: %s", self.nodes)
+        for callback in self.on_started:
+            callback()
 
     def _nodes(self) -> dict[str, Any]:
         """Which Ray node each worker runs on: policy ranks in order, and the rollout worker."""
@@ -212,6 +224,18 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------ the loop
+    def request_stop(self, why: str) -> None:
+        """Stop after the step in progress, with a checkpoint (safe from a signal handler: it
+        only sets a flag that the loop reads between steps)."""
+        self._stop = why
+
+    def _stop_if_asked(self) -> None:
+        if self._stop is not None:
+            path = self.save()
+            raise StopRequested(
+                f"stopped by {self._stop} after step {self.step}; checkpoint {path}. Continue "
+                f"with --resume auto (same --run_dir)")
+
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -232,6 +256,7 @@ class Trainer:
                 summary["eval_before"] = self._evaluate(log, "eval_before")
             evaluated = self.step
             while self.step < cfg.steps:
+                self._stop_if_asked()
                 metrics = self._train_step()
                 log.log(self.step, metrics)
                 log.progress(self.step, metrics)
@@ -242,6 +267,7 @@ class Trainer:
                     self._keep_if_best(self._evaluate(log, "eval"))
                 elif cfg.save_every and self.step % cfg.save_every == 0:
                     self.save()
+            self._stop_if_asked()
             path = self.save()
             remove_partial(self.run_dir)
             if cfg.eval_problems:

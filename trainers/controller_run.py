@@ -3,17 +3,32 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
+from collections.abc import Callable
+from typing import Any
 
 from trainers.config import TrainConfig
 
 
 def run(cfg: TrainConfig) -> int:
+    """Train; exit codes: 0 done, 1 stopped by an error (checkpoint kept), 2 bad flags, 143
+    stopped by SIGTERM (between steps, with a checkpoint). Ray is shut down before returning,
+    so no helper process outlives the command."""
     from agentrl.sandbox import SandboxUnavailableError
-    from trainers.controller import Trainer, TrainingError
+    from trainers.controller import StopRequested, Trainer, TrainingError
+    from trainers.ray_utils import shutdown_ray
 
+    trainer = Trainer(cfg)
+    restore: list[Callable[[], None]] = []
+    # After the workers start: ray.init installs a SIGTERM handler of its own (it exits 15).
+    trainer.on_started.append(lambda: restore.append(_stop_on_sigterm(trainer)))
     try:
-        summary = Trainer(cfg).run()
+        summary = trainer.run()
+    except StopRequested as e:
+        print(f"agentrl train: {e}", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except (TrainingError, SandboxUnavailableError) as e:  # the latter says how to fix it
         # A Ray worker's error is re-raised as its class too; `cause` is it without Ray's trace.
         print(f"agentrl train: {getattr(e, 'cause', None) or e}", file=sys.stderr)
@@ -21,5 +36,27 @@ def run(cfg: TrainConfig) -> int:
     except ValueError as e:  # a flag that does not fit the machine (checked before loading)
         print(f"agentrl train: {e}", file=sys.stderr)
         return 2
+    finally:
+        for undo in restore:
+            undo()
+        shutdown_ray()
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def _stop_on_sigterm(trainer: Any) -> Callable[[], None]:
+    """Make SIGTERM (a scheduler's stop, `kill`) end the run after the current step with a
+    checkpoint; a second SIGTERM acts at once. Returns what restores the old handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum: int, frame: Any) -> None:
+        trainer.request_stop("SIGTERM")
+        signal.signal(signal.SIGTERM, previous)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+
+    def restore() -> None:
+        signal.signal(signal.SIGTERM, previous)
+
+    return restore

@@ -11,6 +11,7 @@ from typing import Any
 from trainers.config import TrainConfig
 
 CONNECT_TIMEOUT_S = 5.0
+_connected_here = False  # whether init_ray (not the caller) connected this process to Ray
 
 
 def init_ray(num_cpus: int | None = None, address: str | None = None) -> None:
@@ -23,8 +24,10 @@ def init_ray(num_cpus: int | None = None, address: str | None = None) -> None:
     """
     import ray
 
+    global _connected_here
     if ray.is_initialized():
         return
+    _connected_here = True
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = address or os.environ.get("RAY_ADDRESS") or None
@@ -44,6 +47,17 @@ def init_ray(num_cpus: int | None = None, address: str | None = None) -> None:
         log_to_driver=True,
         _temp_dir=os.environ.get("AGENTRL_RAY_TMP") or tempfile.mkdtemp(prefix="agentrl-ray-"),
     )
+
+
+def shutdown_ray() -> None:
+    """Disconnect from Ray if `init_ray` connected this process (a private cluster stops with
+    it, so none of its helper processes outlives the command); a caller's own Ray is left."""
+    global _connected_here
+    if _connected_here:
+        import ray
+
+        ray.shutdown()
+        _connected_here = False
 
 
 def _check_answers(address: str) -> None:
