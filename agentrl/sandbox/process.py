@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 
 PumpEvent = Literal["message", "exit", "overflow", "timeout"]
 _READ_CHUNK = 1 << 16
+_PROTOCOL_CAP = 1 << 16
+"""Most unconsumed bytes kept from the status and message pipes: their lines are a few dozen
+bytes, so more is a flood (guest code that found the pipe) and ends the run like an output
+flood, instead of growing the caller's memory."""
 _EXIT_GRACE_S = 0.2
 _KILL_WAIT_S = 10.0
 # One long-lived spawning thread: bwrap --die-with-parent uses PR_SET_PDEATHSIG, which fires
@@ -198,10 +202,15 @@ class Child:
             return
         buf = self.buffers[fd]
         buf += data
+        if fd in (self._out_fd, self._err_fd):
+            if len(buf) > self.cap:
+                self.overflow = True
+            return
+        if len(buf) > _PROTOCOL_CAP:
+            del buf[_PROTOCOL_CAP:]
+            self.overflow = True
         if fd == self._status_r:
             self._note_init_pid()
-        elif fd in (self._out_fd, self._err_fd) and len(buf) > self.cap:
-            self.overflow = True
 
     def _on_exit(self) -> None:
         self.exited = True

@@ -202,3 +202,32 @@ def test_death_between_calls_is_not_blamed_on_the_next_call(sb: Sandbox) -> None
         r = s.run("print('next')")
         assert (r.status, r.stdout, r.session_restarted) == ("ok", "next\n", True)
         assert "ended between calls" in r.stderr
+
+
+def test_a_flood_on_the_protocol_pipe_is_capped_where_it_is_read(sb: Sandbox) -> None:
+    """Guest code that finds the session's message pipe (any pipe fd of its own) and writes
+    100 MiB into it: the host keeps at most its small protocol cap, ends the call like an output
+    flood, and the next call runs in a fresh interpreter. Before the cap the caller buffered it
+    all (+300 MiB of RSS) and the call came back as an ordinary error."""
+    import tracemalloc
+
+    flood = (
+        "import os\nblob = b'x' * (1 << 20)\n"
+        "for fd in os.listdir('/proc/self/fd'):\n    fd = int(fd)\n"
+        "    if fd < 3: continue\n    try:\n"
+        "        if os.readlink(f'/proc/self/fd/{fd}').startswith('pipe:'):\n"
+        "            for _ in range(100): os.write(fd, blob)\n"
+        "    except OSError: pass\n"
+    )
+    with sb.session() as s:
+        assert s.run("x = 1").status == "ok"
+        tracemalloc.start()
+        try:
+            result = s.run(flood)
+            peak_mib = tracemalloc.get_traced_memory()[1] / 2**20  # what the caller allocated
+        finally:
+            tracemalloc.stop()
+        assert result.status == "output_limit", result
+        assert peak_mib < 16, peak_mib
+        after = s.run("print(6 * 7)")
+        assert (after.status, after.stdout, after.session_restarted) == ("ok", "42\n", True)
