@@ -45,9 +45,7 @@ def save_checkpoint(
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
-    latest_tmp = root / ".latest.tmp"
-    latest_tmp.write_text(final.name)
-    latest_tmp.replace(root / "latest")
+    _write_atomically(root / "latest", final.name)
     prune_checkpoints(run_dir, keep)
     return final
 
@@ -55,12 +53,9 @@ def save_checkpoint(
 def mark_best(run_dir: str | Path, path: Path, metric: str, value: float, step: int) -> None:
     """Name `path` the best checkpoint (atomically, as `latest`), with what made it best."""
     root = checkpoint_root(run_dir)
-    info = root / ".best.json.tmp"
-    info.write_text(json.dumps({"checkpoint": path.name, "step": step, metric: value}, indent=2))
-    info.replace(root / "best.json")
-    marker = root / ".best.tmp"
-    marker.write_text(path.name)
-    marker.replace(root / "best")
+    _write_atomically(root / "best.json", json.dumps(
+        {"checkpoint": path.name, "step": step, metric: value}, indent=2))
+    _write_atomically(root / "best", path.name)
 
 
 def best_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
@@ -120,13 +115,19 @@ def rewind_run_files(run_dir: str | Path, step: int) -> None:
         lines = metrics.read_text().splitlines(keepends=True)
         kept = [x for x in lines if x.strip() and json.loads(x).get("step", 0) <= step]
         if len(kept) != len(lines):
-            tmp = metrics.with_name(".metrics.jsonl.tmp")
-            tmp.write_text("".join(kept))
-            tmp.replace(metrics)
+            _write_atomically(metrics, "".join(kept))
     for folder in ("rollouts", "evals"):
         for f in (run_dir / folder).glob("step_*.jsonl"):
             if int(f.stem.removeprefix("step_")) > step:
                 f.unlink()
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """`path` holds `text` or what it held before, never part of it: written beside it as
+    `.NAME.tmp` (what `remove_partial` clears after a crash), then renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def prune_checkpoints(run_dir: str | Path, keep: int) -> None:

@@ -27,7 +27,6 @@ def init_ray(num_cpus: int | None = None, address: str | None = None) -> None:
     global _connected_here
     if ray.is_initialized():
         return
-    _connected_here = True
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = address or os.environ.get("RAY_ADDRESS") or None
@@ -39,14 +38,16 @@ def init_ray(num_cpus: int | None = None, address: str | None = None) -> None:
             raise ValueError(f"--ray.address {address}: {e}. Start one with `ray start --head`, "
                              f"or leave --ray.address (and RAY_ADDRESS) unset for a private "
                              f"local cluster") from None
-        return
-    ray.init(
-        num_cpus=num_cpus or os.cpu_count() or 2,
-        include_dashboard=False,
-        ignore_reinit_error=True,
-        log_to_driver=True,
-        _temp_dir=os.environ.get("AGENTRL_RAY_TMP") or tempfile.mkdtemp(prefix="agentrl-ray-"),
-    )
+    else:
+        ray.init(
+            num_cpus=num_cpus or os.cpu_count() or 2,
+            include_dashboard=False,
+            ignore_reinit_error=True,
+            log_to_driver=True,
+            _temp_dir=os.environ.get("AGENTRL_RAY_TMP")
+            or tempfile.mkdtemp(prefix="agentrl-ray-"),
+        )
+    _connected_here = True  # only once connected: a failed join leaves nothing to shut down
 
 
 def shutdown_ray() -> None:

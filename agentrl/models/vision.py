@@ -117,9 +117,7 @@ class VisionProcessor:
             if tokenizer is None:
                 raise ValueError("an Idefics3 / SmolVLM VisionProcessor needs the model's "
                                  "tokenizer (tokenizer=...): its image marks are tokens")
-            v = config.vision_config
-            # The processor's image_seq_len: a tile's patches after the pixel shuffle.
-            self._seq_len = (v.image_size // v.patch_size) ** 2 // config.scale_factor**2
+            self._seq_len = idefics3_image_seq_len(config)
         else:
             self._patch = int(config.vision_config.patch_size)
             self._llava_extra = 0 if config.vision_feature_select_strategy == "default" else 1
@@ -323,6 +321,13 @@ def image_token_of(config: Any) -> int | None:
     return token if isinstance(token, int) else None
 
 
+def idefics3_image_seq_len(config: Any) -> int:
+    """Image tokens per tile of an Idefics3 / SmolVLM model (its processor's image_seq_len):
+    the tile's patches after the connector's pixel shuffle."""
+    v = config.vision_config
+    return int((v.image_size // v.patch_size) ** 2 // config.scale_factor**2)
+
+
 def is_vision_config(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
@@ -380,11 +385,9 @@ def save_vlm(path: str | Path, model: Any, tokenizer: Any, image_processor: Any)
     elif model.config.model_type in IDEFICS3:
         from transformers import Idefics3Processor
 
-        vision = model.config.vision_config
         Idefics3Processor(
             image_processor=image_processor, tokenizer=tokenizer,
-            image_seq_len=(vision.image_size // vision.patch_size) ** 2
-            // model.config.scale_factor**2,
+            image_seq_len=idefics3_image_seq_len(model.config),
             chat_template=tokenizer.chat_template,
         ).save_pretrained(path)
     elif importlib.util.find_spec("torchvision") is not None:
