@@ -2,10 +2,16 @@
 
 Not imported by the package: `launch.py` passes this file's source to `python3 -I -u -c`, so
 it must stay stdlib-only and self-contained. Protocol (host -> guest on the fd named in
-argv[1]): a 16-byte header `!Qd` (code length, CPU seconds or 0) then the UTF-8 code; (guest
--> host on the fd named in argv[2]) one JSON line per call, `{"rc": int, "exc": name|null}`,
-written only after stdout/stderr are flushed, so the host has all of a call's output once it
-sees the line.
+argv[1]): a 32-byte header `!Qd16s` (code length, CPU seconds or 0, the call's random token)
+then the UTF-8 code; (guest -> host on the fd named in argv[2]) one line per call,
+`TOKEN RC EXC` (EXC an exception class name or `-`), written only after stdout/stderr are
+flushed, so the host has all of a call's output once it sees the line.
+
+User code runs in this process, so it can reach the reply pipe; the token ties a reply to its
+call, so a line the code writes (without digging the token out of this module's frames) is
+not a reply, and the host ends the interpreter on any line that is not the awaited reply.
+What the reply is built from is bound before user code runs (no json, no module attribute
+lookups), so monkeypatching `os.write` or `json.dumps` in a cell changes nothing here.
 
 stdin is /dev/null (an `input()` ends at once), and the code runs in one namespace like a
 notebook cell: the value of a trailing expression is printed.
@@ -13,7 +19,6 @@ notebook cell: the value of a trailing expression is printed.
 
 import ast
 import builtins
-import json
 import linecache
 import math
 import os
@@ -21,14 +26,16 @@ import resource
 import struct
 import sys
 import traceback
+from collections.abc import Callable
 
-_HEADER = struct.Struct("!Qd")
+_HEADER = struct.Struct("!Qd16s")
 
 
-def _read_exact(fd: int, size: int) -> bytes | None:
+def _read_exact(fd: int, size: int,
+                read: Callable[[int, int], bytes] = os.read) -> bytes | None:
     chunks, remaining = [], size
     while remaining:
-        chunk = os.read(fd, min(remaining, 1 << 20))
+        chunk = read(fd, min(remaining, 1 << 20))
         if not chunk:
             return None
         chunks.append(chunk)
@@ -96,29 +103,33 @@ def _flush() -> None:
 
 def main() -> None:
     ctl_fd, msg_fd = int(sys.argv[1]), int(sys.argv[2])
+    # Bound now, before any cell can monkeypatch the modules they come from.
+    write, getpid, exit_, unpack, run_cell, flush = (os.write, os.getpid, os._exit,
+                                                     _HEADER.unpack, _run_cell, _flush)
+    header_size = _HEADER.size
     # Subprocesses of user code must not inherit the protocol fds.
     os.set_inheritable(msg_fd, False)
     os.set_inheritable(ctl_fd, False)
     sys.argv = [""]
     namespace = {"__name__": "__main__", "__builtins__": builtins}
-    pid, count = os.getpid(), 0
+    pid, count = getpid(), 0
     while True:
-        header = _read_exact(ctl_fd, _HEADER.size)
+        header = _read_exact(ctl_fd, header_size)
         if header is None:
             return
-        size, cpu_s = _HEADER.unpack(header)
+        size, cpu_s, token = unpack(header)
         data = _read_exact(ctl_fd, size)
         if data is None:
             return
         count += 1
         if cpu_s > 0:
             _limit_cpu(cpu_s)
-        rc, exc = _run_cell(data.decode("utf-8", "surrogatepass"), namespace, f"<cell {count}>")
-        _flush()
-        if os.getpid() != pid:  # A fork made by the cell finished it: end like a script would.
-            os._exit(rc)
-        os.write(msg_fd, json.dumps({"rc": rc, "exc": exc}).encode() + b"\n")
-
+        rc, exc = run_cell(data.decode("utf-8", "surrogatepass"), namespace, f"<cell {count}>")
+        flush()
+        if getpid() != pid:  # A fork made by the cell finished it: end like a script would.
+            exit_(rc)
+        name = exc.encode("ascii", "replace") if exc and exc.isidentifier() else b"-"
+        write(msg_fd, b"%s %d %s\n" % (token, rc, name))
 
 if __name__ == "__main__":
     main()

@@ -31,6 +31,7 @@ _PROTOCOL_CAP = 1 << 16
 bytes, so more is a flood (guest code that found the pipe) and ends the run like an output
 flood, instead of growing the caller's memory."""
 _EXIT_GRACE_S = 0.2
+_PAUSE_SWEEPS = 16
 _KILL_WAIT_S = 10.0
 # One long-lived spawning thread: bwrap --die-with-parent uses PR_SET_PDEATHSIG, which fires
 # when the *thread* that forked it exits. A session started from a short-lived worker thread
@@ -62,6 +63,35 @@ def _pidfd_open(pid: int) -> int | None:
         return os.pidfd_open(pid)
     except (OSError, AttributeError):  # Old kernel: fall back to polling.
         return None
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except OSError:  # Gone already (or not ours: never the case for a sandbox's own pids).
+        pass
+
+
+def _descendants(root: int) -> set[int]:
+    """Live processes below `root`, from every /proc entry's parent pid (no cgroup to ask)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found: set[int] = set()
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
 
 
 class Child:
@@ -132,6 +162,45 @@ class Child:
             return None
         buf[:] = rest
         return line
+
+    def stray_message(self) -> bool:
+        """Bytes on the message pipe beyond the replies taken so far (read without waiting)."""
+        assert self._msg_r is not None
+        if self._msg_r in self._open:
+            self._read(self._msg_r)
+        return bool(self.buffers[self._msg_r])
+
+    def processes(self) -> set[int]:
+        """Pids of the program and everything it started (the sandbox's init excluded): the
+        cgroup's members where there is one, else the descendants found in /proc."""
+        if self.cgroup is not None:
+            pids = self.cgroup.pids()
+        elif self.isolated:
+            pids = set() if self._init_pid is None else _descendants(self._init_pid)
+        else:
+            pids = {self.proc.pid, *_descendants(self.proc.pid)}
+        pids.discard(self._init_pid or -1)
+        return pids
+
+    def pause(self) -> None:
+        """SIGSTOP every process of the sandbox (all threads of each), so nothing a session
+        call left behind runs between calls; stopped processes cannot fork, so re-listing
+        until no new pid appears catches children started during the sweep."""
+        stopped: set[int] = set()
+        for _ in range(_PAUSE_SWEEPS):
+            fresh = self.processes() - stopped
+            if not fresh:
+                return
+            for pid in fresh:
+                _signal(pid, signal.SIGSTOP)
+            stopped |= fresh
+        logger.warning("sandbox pid %s kept starting processes while being paused",
+                       self.proc.pid)
+
+    def resume(self) -> None:
+        """SIGCONT what `pause` stopped (and anything else of the sandbox: a no-op for it)."""
+        for pid in self.processes():
+            _signal(pid, signal.SIGCONT)
 
     def pump(self, deadline: float, *, want_message: bool = False) -> PumpEvent:
         """Move data until an event: a message line, exit, output overflow or the deadline."""

@@ -5,11 +5,18 @@ namespace across calls. A call that times out, floods output, runs out of memory
 interpreter ends that interpreter (the whole sandbox, threads and subprocesses included); the
 next call starts a fresh one and its result says so. Creating a Session spawns nothing, so
 it is cheap and safe from many threads; the sandbox starts on the first call.
+
+Between calls nothing in the sandbox runs: once a call's reply is in, every process of the
+sandbox is stopped (SIGSTOP, all threads), and the next call continues them, so a thread a
+call left spinning costs no CPU while the session waits and its work is charged to the calls
+it runs in. Each call carries a random token that its reply must echo; a reply line that is
+not the awaited one (code that wrote to the protocol pipe) ends the interpreter with an error
+instead of letting later calls receive earlier calls' output.
 """
 
 from __future__ import annotations
 
-import json
+import secrets
 import struct
 import threading
 import time
@@ -22,10 +29,14 @@ from agentrl.sandbox.config import ExecResult, SandboxConfig, Status
 from agentrl.sandbox.launch import StartError, classify, decode, start
 from agentrl.sandbox.process import Child
 
-_HEADER = struct.Struct("!Qd")  # Must match guest.py.
+_HEADER = struct.Struct("!Qd16s")  # Must match guest.py.
 _DRAIN_S = 0.05
 _NOTE = ("[agentrl.sandbox] the previous interpreter of this session ended ({why}); this call "
          "ran in a fresh one: earlier variables and imports are gone.\n")
+_DESYNC = ("[agentrl.sandbox] the session's reply pipe received a line that is not this call's "
+           "reply (the code wrote to the sandbox's protocol pipe); the interpreter was ended so "
+           "no later call can receive another call's output, and the next call starts a fresh "
+           "one.\n")
 
 
 class _Holder:
@@ -85,7 +96,7 @@ class Session:
             clock = time.monotonic()
             note, restarted = "", False
             if self._holder.child is not None and self._holder.child.proc.poll() is not None:
-                self._holder.close()  # Died between calls (a background thread's doing).
+                self._holder.close()  # Killed while paused (from outside, or the OOM killer).
                 self._lost = "it ended between calls"
             if self._holder.child is None:
                 try:
@@ -110,13 +121,15 @@ class Session:
 
     def _call(self, child: Child, code: str, deadline: float, clock: float) -> ExecResult:
         data = code.encode("utf-8", "surrogatepass")
-        child.send(_HEADER.pack(len(data), self._cfg.cpu_time_s or 0.0) + data)
+        token = secrets.token_hex(8).encode()
+        child.resume()
+        child.send(_HEADER.pack(len(data), self._cfg.cpu_time_s or 0.0, token) + data)
         oom_before = child.cgroup.oom_kills() if child.cgroup is not None else 0
         event = child.pump(deadline, want_message=True)
         if event == "message":
             child.drain(_DRAIN_S)
             if not child.overflow:
-                return self._finished(child, oom_before, clock)
+                return self._finished(child, token, oom_before, clock)
             event = "overflow"
         # The interpreter is gone or must go: timeout, flood, OOM kill or a crash.
         self._holder.child = None
@@ -127,14 +140,22 @@ class Session:
         return ExecResult(status, rc, decode(stdout), decode(stderr), time.monotonic() - clock,
                           truncated)
 
-    def _finished(self, child: Child, oom_before: int, clock: float) -> ExecResult:
-        """A call the guest completed: its own exit-like code decides the status."""
-        line = child.take_message() or b"{}"
-        try:
-            reply = json.loads(line)
-            rc, exc = int(reply["rc"]), reply.get("exc")
-        except (ValueError, KeyError, TypeError):  # The code scribbled on the protocol pipe.
-            rc, exc = 1, None
+    def _end(self, child: Child, why: str) -> None:
+        self._holder.child = None
+        child.close()
+        self._lost = why
+
+    def _finished(self, child: Child, token: bytes, oom_before: int,
+                  clock: float) -> ExecResult:
+        """A call the guest answered: its own exit-like code decides the status."""
+        reply = _parse_reply(child.take_message() or b"", token)
+        child.pause()
+        if reply is None or child.stray_message():
+            self._end(child, "its protocol pipe was written to by the code")
+            stdout, stderr, truncated = child.take_output()
+            return ExecResult("error", None, decode(stdout), decode(stderr) + _DESYNC,
+                              time.monotonic() - clock, truncated)
+        rc, exc = reply
         stdout, stderr, truncated = child.take_output()
         status: Status = "ok" if rc == 0 else "error"
         oom_now = child.cgroup.oom_kills() if child.cgroup is not None else 0
@@ -142,3 +163,14 @@ class Session:
             status = "oom"
         return ExecResult(status, rc, decode(stdout), decode(stderr), time.monotonic() - clock,
                           truncated)
+
+
+def _parse_reply(line: bytes, token: bytes) -> tuple[int, str] | None:
+    """(rc, exception name or "-") from `TOKEN RC EXC`; None unless it is this call's reply."""
+    parts = line.split(b" ")
+    if len(parts) != 3 or parts[0] != token:
+        return None
+    try:
+        return int(parts[1]), parts[2].decode("ascii")
+    except ValueError:
+        return None

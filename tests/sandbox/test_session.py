@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import signal
@@ -81,8 +82,7 @@ def test_background_thread_and_process_die_at_session_end(sb: Sandbox) -> None:
           "def beat():\n    while True:\n        beats.append(1)\n        time.sleep(0.01)\n"
           "threading.Thread(target=beat, daemon=False).start()\n"
           "child = subprocess.Popen(['sleep', '1000'])")
-    time.sleep(0.1)
-    assert int(s.run("len(beats)").stdout) > 0  # The thread runs between calls.
+    assert s.run("import time\ntime.sleep(0.1)\nlen(beats) > 1").stdout == "True\n"
     assert len(descendants(os.getpid())) >= 3  # bwrap, its init, the guest, sleep
     s.close()
     assert descendants(os.getpid()) == set()
@@ -194,14 +194,126 @@ def test_forked_caller_can_run_and_cannot_kill_the_parents_session(sb: Sandbox) 
         assert (s.run("v").stdout, s.alive) == ("1\n", True)
 
 
+def _guest_pids() -> list[int]:
+    """Host pids of the session guests running below this test process."""
+    found = []
+    for pid in descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"python" in os.path.basename(argv[0]) and b"Session guest" in argv[-4]:
+            found.append(pid)
+    return found
+
+
+def _cpu_seconds(pids: set[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (all threads)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def test_death_between_calls_is_not_blamed_on_the_next_call(sb: Sandbox) -> None:
     with sb.session() as s:
-        s.run("import os, threading, time\n"
-              "threading.Thread(target=lambda: (time.sleep(0.1), os._exit(9))).start()")
-        time.sleep(0.5)
+        s.run("x = 1")
+        [guest] = _guest_pids()
+        os.kill(guest, signal.SIGKILL)  # e.g. the OOM killer, while the session waits
+        time.sleep(0.2)
         r = s.run("print('next')")
         assert (r.status, r.stdout, r.session_restarted) == ("ok", "next\n", True)
         assert "ended between calls" in r.stderr
+
+
+TIERS = ["as_configured", "no_cgroup", "unisolated_no_cgroup"]
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_nothing_runs_between_calls(sb: Sandbox, tier: str) -> None:
+    """#19 item 4: a thread and a subprocess left spinning by a call burnt a full core while
+    the session sat idle. Between calls they are stopped; they go on during later calls. The
+    sandbox finds them through its cgroup, or through /proc where it has none."""
+    plan = sb._plan
+    if tier != "as_configured":
+        plan = dataclasses.replace(plan, has_cgroup=False)
+    if tier == "unisolated_no_cgroup":
+        plan = dataclasses.replace(plan, bwrap=None, seccomp=None)
+    with Session(sb.config, plan) as s:
+        r = s.run("import subprocess, sys, threading\nspins = [0]\n"
+                  "def spin():\n    while True:\n        spins[0] += 1\n"
+                  "worker = threading.Thread(target=spin, daemon=True)\nworker.start()\n"
+                  "child = subprocess.Popen([sys.executable, '-c', 'while True: pass'])")
+        assert r.status == "ok", r
+        time.sleep(0.1)
+        sandbox = descendants(os.getpid())
+        before = _cpu_seconds(sandbox)
+        time.sleep(1.0)
+        idle = _cpu_seconds(sandbox) - before
+        assert idle < 0.1, f"the sandbox used {idle:.2f} s of CPU between calls"
+        r = s.run("import time\nstart = spins[0]\ntime.sleep(0.3)\n"
+                  "print(worker.is_alive(), child.poll() is None, spins[0] > start)")
+        assert (r.status, r.stdout) == ("ok", "True True True\n"), r
+
+
+_PIPES = ("import os\nfds = []\nfor fd in os.listdir('/proc/self/fd'):\n    fd = int(fd)\n"
+          "    try:\n        if fd > 2 and os.readlink(f'/proc/self/fd/{fd}').startswith('pipe:'):\n"
+          "            fds.append(fd)\n    except OSError: pass\n")
+
+
+def test_a_forged_reply_ends_the_interpreter_instead_of_shifting_outputs(sb: Sandbox) -> None:
+    """#19 item 3: a well-formed reply written to the protocol pipe made the call return "ok"
+    at once while its code ran on, and every later call got the previous call's output."""
+    forge = (_PIPES + "for fd in fds:\n    try:\n"
+             "        os.write(fd, b'{\"rc\": 0, \"exc\": null}\\n0123456789abcdef 0 -\\n')\n"
+             "    except OSError: pass\n"
+             "import time\ntime.sleep(0.3)\nprint('late')\n")
+    with sb.session() as s:
+        s.run("x = 1")
+        forged = s.run(forge)
+        assert forged.status == "error" and "protocol pipe" in forged.stderr, forged
+        for i in range(3):
+            r = s.run(f"print({i})")
+            assert (r.status, r.stdout) == ("ok", f"{i}\n"), r
+        assert "NameError" in s.run("x").stderr  # a fresh interpreter, as the note said
+
+
+def test_a_reply_forged_with_the_calls_own_token_is_caught_at_the_next_call(
+        sb: Sandbox) -> None:
+    """Code that digs the token out of the guest's frames can end its own call early; the
+    real reply then arrives during the next call, which ends with an error rather than
+    handing over the earlier call's output, and the call after that runs cleanly."""
+    forge = (_PIPES + "import sys, time\nframe = sys._getframe()\n"
+             "while 'token' not in frame.f_locals:\n    frame = frame.f_back\n"
+             "for fd in fds:\n    try:\n"
+             "        os.write(fd, frame.f_locals['token'] + b' 0 -\\n')\n"
+             "    except OSError: pass\n"
+             "time.sleep(0.3)\nprint('late')\n")
+    with sb.session() as s:
+        early = s.run(forge)
+        assert (early.status, early.stdout) == ("ok", "")
+        caught = s.run("print('second')")
+        assert caught.status == "error" and "protocol pipe" in caught.stderr, caught
+        assert "second" not in caught.stdout
+        r = s.run("print('third')")
+        assert (r.status, r.stdout, r.session_restarted) == ("ok", "third\n", True)
+
+
+def test_monkeypatching_the_guests_modules_does_not_change_replies(sb: Sandbox) -> None:
+    with sb.session() as s:
+        patched = s.run("import json, os\n"
+                        "json.dumps = lambda *a, **k: '{\"rc\": 0, \"exc\": null}'\n"
+                        "os.write = lambda fd, data: len(data)")
+        assert patched.status == "ok"
+        r = s.run("1 / 0")
+        assert r.status == "error" and "ZeroDivisionError" in r.stderr, r
+        assert (s.run("print('still')").stdout, s.run("raise SystemExit(3)").returncode) == (
+            "still\n", 3)
 
 
 def test_a_flood_on_the_protocol_pipe_is_capped_where_it_is_read(sb: Sandbox) -> None:
