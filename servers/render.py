@@ -7,6 +7,11 @@ tool schemas folded into the system message, tool calls as `<tool_call>{json}</t
 text, tool results as `<tool_response>` user turns. Images (decoded beforehand by
 `servers.images.load_images`) become the template's placeholder, expanded by the model's
 `VisionProcessor` exactly as for environments.
+
+Everything a client sends (message text, names, tool-call arguments, tool schemas) is content:
+a spelling of a special token in it is tokenized as plain text (`agentrl.envs.template.
+PlainContent`), so only the template emits special tokens. A raw `/v1/completions` prompt is
+the exception: there the client renders its own template, special tokens included.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from agentrl.envs.template import Escaper, plain_content
 from agentrl.models.vision import ImageError, VisionProcessor
 from agentrl.types import Image
 from servers.deps import Tokenizer
@@ -53,6 +59,7 @@ class ChatRenderer:
     def __init__(self, tokenizer: Tokenizer, processor: VisionProcessor | None = None) -> None:
         self.tokenizer = tokenizer
         self.processor = processor
+        self._plain = plain_content(tokenizer)
         self.supports_tools = self._probe(
             [{"role": "user", "content": "hi"}],
             tools=[{"type": "function", "function": {"name": _PROBE, "parameters": {}}}],
@@ -98,8 +105,10 @@ class ChatRenderer:
     ) -> Rendered:
         """`images`: the pixels of the messages' image_url parts, in order."""
         it = iter(images)
-        msgs = [self._message(m, it) for m in messages]
-        tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        escaper = self._plain.escaper()
+        msgs = [self._message(m, it, escaper) for m in messages]
+        tool_dicts = ([escaper.tree(t.model_dump(exclude_none=True)) for t in tools]
+                      if tools else None)
         if tool_dicts and not self.supports_tools:
             msgs = _fold_tools(msgs, tool_dicts)
             tool_dicts = None
@@ -113,20 +122,14 @@ class ChatRenderer:
                 f"the model's chat template cannot render these messages: {e}",
                 param="messages",
             ) from e
-        return self._encode(str(text), list(images))
-
-    def encode(self, text: str) -> list[int]:
-        # The Rust tokenizer directly: the Python wrapper costs ~0.2 ms a call, per request.
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            return backend.encode(text, add_special_tokens=False).ids
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self._encode(str(text), list(images), escaper)
 
     def render_text(self, text: str) -> Rendered:
-        return Rendered(ids=self.encode(text))
+        """A raw prompt, tokenized as given (special-token spellings included)."""
+        return Rendered(ids=self._plain.encode(text))
 
-    def _encode(self, text: str, pixels: list[np.ndarray]) -> Rendered:
-        ids = self.encode(text)
+    def _encode(self, text: str, pixels: list[np.ndarray], escaper: Escaper) -> Rendered:
+        ids = self._plain.encode(text, escaper)
         if not pixels:
             return Rendered(ids=ids)
         assert self.processor is not None  # load_images refuses images without a processor
@@ -142,11 +145,11 @@ class ChatRenderer:
                   for px, (a, b) in zip(pixels, spans, strict=True)]
         return Rendered(ids=out, images=placed)
 
-    def _message(self, m: ChatMessage, images: Iterator[np.ndarray]) -> dict:
+    def _message(self, m: ChatMessage, images: Iterator[np.ndarray], escaper: Escaper) -> dict:
         role = "system" if m.role == "developer" else m.role
         out: dict = {"role": role}
         if m.name is not None:
-            out["name"] = m.name
+            out["name"] = escaper.text(m.name)
         content: str | list[dict[str, Any]] | None
         if isinstance(m.content, list):
             parts = m.content
@@ -154,7 +157,7 @@ class ChatRenderer:
             if self.supports_parts:
                 px = iter(pixels)
                 content = [
-                    {"type": "text", "text": p.text} if p.type == "text"
+                    {"type": "text", "text": escaper.text(p.text)} if p.type == "text"
                     else {"type": "image", "image": next(px)}
                     for p in parts
                 ]
@@ -162,10 +165,11 @@ class ChatRenderer:
                 image_text = (
                     self.processor.placeholder_text(self.tokenizer) if self.processor else ""
                 )
-                content = "".join(p.text if p.type == "text" else image_text for p in parts)
+                content = "".join(escaper.text(p.text) if p.type == "text" else image_text
+                                  for p in parts)
         else:
-            content = m.content
-        calls = [_call_dict(c) for c in m.tool_calls or ()]
+            content = m.content if m.content is None else escaper.text(m.content)
+        calls = [escaper.tree(_call_dict(c)) for c in m.tool_calls or ()]
         if calls and not self.supports_tool_calls:
             text = content if isinstance(content, str) else ""
             content = text + "".join(_hermes_call_text(c) for c in calls)
@@ -173,7 +177,7 @@ class ChatRenderer:
         if calls:
             out["tool_calls"] = calls
         if m.tool_call_id is not None:
-            out["tool_call_id"] = m.tool_call_id
+            out["tool_call_id"] = escaper.text(m.tool_call_id)
         if content is None and not self.supports_tool_calls:
             content = ""
         out["content"] = content

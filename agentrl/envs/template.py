@@ -11,10 +11,18 @@ Images ride in list-of-parts content (`{"type": "image", "image": uint8 HxWx3}`)
 renders one placeholder per image; the model's `VisionProcessor` expands each to the image's
 tokens, in the increment that carries the image, so a new screenshot appends tokens and never
 re-tokenizes earlier turns.
+
+Only the template emits special tokens. Text that arrives in messages (tool output, an
+environment's observation, a proxy client's content) is tokenized as plain text even when it
+spells one (`<|im_end|>` then `<|im_start|>assistant`, printed by sandboxed code): `PlainContent`
+swaps such spellings for private-use markers before rendering and tokenizes them back as text.
 """
 
 from __future__ import annotations
 
+import re
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,9 +61,122 @@ def render_text(
     )
 
 
-def encode(tokenizer: Any, text: str) -> list[int]:
-    """Tokenize text that already contains every special token it needs."""
-    return list(tokenizer.encode(text, add_special_tokens=False))
+_MARK = re.compile("\ue000([0-9]+)\ue001")
+
+
+class Escaper:
+    """One rendering's markers: each special-token spelling found in content becomes
+    `\\ue000N\\ue001` (N its index here); `PlainContent.encode` turns it back into text."""
+
+    def __init__(self, find: re.Pattern[str]) -> None:
+        self._find = find
+        self.table: list[str] = []
+
+    def _mark(self, match: re.Match[str]) -> str:
+        self.table.append(match.group(0))
+        return f"\ue000{len(self.table) - 1}\ue001"
+
+    def text(self, value: str) -> str:
+        """`value` with every special-token spelling (and stray marker start) marked."""
+        return self._find.sub(self._mark, value)
+
+    def tree(self, value: Any) -> Any:
+        """Messages or tool schemas with every string marked, except the `role` and `type`
+        keys that the template branches on; images and other values are kept as they are."""
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, dict):
+            return {k: v if k in ("role", "type") else self.tree(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.tree(v) for v in value]
+        return value
+
+
+class PlainContent:
+    """Tokenizes rendered chat text so that only the template's special tokens are special.
+
+    `escaper()` marks content before rendering; `encode(text, escaper)` splits the rendered text
+    at the special tokens left (all the template's), tokenizes the marked stretches with
+    special-token spellings as plain text, and everything else as usual. Content without any
+    such spelling takes the plain `encode` path: the same ids as tokenizing the whole text.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        specials = {str(t) for t in getattr(tokenizer, "all_special_tokens", ())}
+        for added in getattr(tokenizer, "added_tokens_decoder", {}).values():
+            if getattr(added, "special", False):
+                specials.add(str(added.content))
+        spellings = sorted((t for t in specials if t), key=len, reverse=True)
+        alternatives = "|".join(re.escape(t) for t in spellings)
+        self._find = re.compile(f"{alternatives}|\ue000" if alternatives else "\ue000")
+        self._split = re.compile(alternatives) if alternatives else None
+        self._backend: Any = getattr(tokenizer, "backend_tokenizer", None)
+        self._plain_backend: Any = None
+        self._lock = threading.Lock()
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return plain_content, (self.tokenizer,)  # Envs are pickled mid-episode.
+
+    def escaper(self) -> Escaper:
+        return Escaper(self._find)
+
+    def encode(self, text: str, escaper: Escaper | None = None) -> list[int]:
+        """Ids of rendered `text`, its markers (from `escaper`) tokenized as plain text."""
+        if escaper is None or not escaper.table:
+            return self._encode(text)
+        ids: list[int] = []
+        start = 0
+        for match in self._split.finditer(text) if self._split is not None else ():
+            ids += self._encode_marked(text[start:match.start()], escaper.table)
+            ids.append(int(self.tokenizer.convert_tokens_to_ids(match.group(0))))
+            start = match.end()
+        return ids + self._encode_marked(text[start:], escaper.table)
+
+    def _encode(self, text: str) -> list[int]:
+        # The Rust tokenizer directly where there is one: the Python wrapper costs ~0.2 ms.
+        if self._backend is not None:
+            return list(self._backend.encode(text, add_special_tokens=False).ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _encode_marked(self, text: str, table: list[str]) -> list[int]:
+        if not text:
+            return []
+        if "\ue000" not in text:
+            return self._encode(text)
+        restored = _MARK.sub(lambda m: table[int(m.group(1))], text)
+        if self._backend is None:
+            return list(self.tokenizer.encode(restored, add_special_tokens=False,
+                                              split_special_tokens=True))
+        return list(self._plain().encode(restored, add_special_tokens=False).ids)
+
+    def _plain(self) -> Any:
+        """A copy of the Rust tokenizer that reads special-token spellings as text (a copy,
+        as flipping the shared one's flag would race with other threads' encodes)."""
+        with self._lock:
+            if self._plain_backend is None:
+                from tokenizers import Tokenizer
+
+                plain = Tokenizer.from_str(self._backend.to_str())
+                plain.encode_special_tokens = True
+                self._plain_backend = plain
+            return self._plain_backend
+
+
+_plain_cache: weakref.WeakKeyDictionary[Any, PlainContent] = weakref.WeakKeyDictionary()
+_plain_lock = threading.Lock()
+
+
+def plain_content(tokenizer: Any) -> PlainContent:
+    """The tokenizer's `PlainContent`, made once per tokenizer object."""
+    with _plain_lock:
+        try:
+            found = _plain_cache.get(tokenizer)
+        except TypeError:  # Not weak-referenceable: build one per call.
+            return PlainContent(tokenizer)
+        if found is None:
+            found = _plain_cache[tokenizer] = PlainContent(tokenizer)
+        return found
 
 
 @dataclass
@@ -98,10 +219,25 @@ class ChatTemplateBridge:
         self.assistant_suffix = self._base_text[at + len(_CANARY) :]
         self.eos_ids = _end_of_turn_ids(tokenizer)
         self._vision: VisionProcessor | None = vision
+        self._plain = plain_content(tokenizer)
+
+    def _ids(self, messages: Sequence[Message], *, add_generation_prompt: bool,
+             head: str = "", skip: int = 0) -> list[int]:
+        """Render `messages` (their content as plain text), drop the first `skip` characters
+        of the rendering, put `head` (template text) before it and tokenize."""
+        escaper = self._plain.escaper()
+        text = render_text(self.tokenizer, escaper.tree(list(messages)),
+                           add_generation_prompt=add_generation_prompt, tools=self.tools)
+        if skip and not text.startswith(self._base_text):
+            raise TemplateError(
+                "rendering new messages changed the earlier conversation; this chat template "
+                "cannot be rendered incrementally"
+            )
+        return self._plain.encode(head + text[skip:], escaper)
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
-        text = render_text(self.tokenizer, messages, add_generation_prompt=True, tools=self.tools)
-        return self._expand(encode(self.tokenizer, text), message_images(messages))
+        ids = self._ids(messages, add_generation_prompt=True)
+        return self._expand(ids, message_images(messages))
 
     def _expand(self, ids: list[int], images: Sequence[np.ndarray]) -> list[int]:
         """Replace each image placeholder with its image's tokens (text-only: `ids`)."""
@@ -131,16 +267,9 @@ class ChatTemplateBridge:
     ) -> list[int]:
         """Tokens to append after the policy's action: the rest of its turn's closing text,
         the new messages, and the generation prompt for the next action."""
-        text = self._rest_of_assistant_turn(action_ids)
-        full = render_text(
-            self.tokenizer, [*_BASE, *new_messages], add_generation_prompt=True, tools=self.tools
-        )
-        if not full.startswith(self._base_text):
-            raise TemplateError(
-                "rendering new messages changed the earlier conversation; this chat template "
-                "cannot be rendered incrementally"
-            )
-        ids = encode(self.tokenizer, text + full[len(self._base_text) :])
+        ids = self._ids([*_BASE, *new_messages], add_generation_prompt=True,
+                        head=self._rest_of_assistant_turn(action_ids),
+                        skip=len(self._base_text))
         return self._expand(ids, message_images(new_messages))
 
     def _rest_of_assistant_turn(self, action_ids: Sequence[int]) -> str:
@@ -156,15 +285,17 @@ class ChatTemplateBridge:
         self, messages: Sequence[Message], running_ids: Sequence[int], *, turn: int, open_turn: bool
     ) -> DriftReport | None:
         """Compare the running ids with a full re-render of `messages`."""
+        escaper = self._plain.escaper()
         text = render_text(
-            self.tokenizer, messages, add_generation_prompt=open_turn, tools=self.tools
+            self.tokenizer, escaper.tree(list(messages)), add_generation_prompt=open_turn,
+            tools=self.tools,
         )
         if not open_turn and text.endswith(self.assistant_suffix):
             # A finished episode's sequence ends at the policy's last token, not the template's.
             text = text[: len(text) - len(self.assistant_suffix)]
             if running_ids and running_ids[-1] in self.eos_ids:
                 text += self.tokenizer.decode([running_ids[-1]], skip_special_tokens=False)
-        ids = self._expand(encode(self.tokenizer, text), message_images(messages))
+        ids = self._expand(self._plain.encode(text, escaper), message_images(messages))
         if ids == list(running_ids):
             return None
         running_text = self.tokenizer.decode(list(running_ids), skip_special_tokens=False)

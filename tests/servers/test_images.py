@@ -129,11 +129,17 @@ def test_images_to_a_text_model_are_refused(proxy):
             model="agentrl", messages=[_user(_data_url(_png(_img(0))))])
 
 
-def test_an_image_placeholder_typed_in_the_text_is_a_400(make_proxy, vlm_tok):
+def test_an_image_placeholder_typed_in_the_text_stays_text(make_proxy, vlm_tok):
+    """Client text is content: `<image>` typed in it is tokenized as text (#19 item 5), so it
+    neither expands into image tokens nor throws the image count off (it was a 400 before)."""
     p = make_proxy(tokenizer=vlm_tok)
-    with pytest.raises(openai.BadRequestError, match="placeholder"):
-        p.client().chat.completions.create(
-            model="agentrl", messages=[_user(_data_url(_png(_img(0))), text="see <image>")])
+    p.client("typed").chat.completions.create(
+        model="agentrl", messages=[_user(_data_url(_png(_img(0))), text="see <image>")])
+    (traj,) = p.store.get("typed").trajectories()
+    vision = vision_processor(vlm_tok)
+    assert [im.end - im.start for im in traj.images] == [16]
+    assert traj.token_ids.count(vision.image_token_id) == 16
+    assert "see <image>" in vlm_tok.decode(traj.token_ids)
 
 
 class _ImageServer(BaseHTTPRequestHandler):
