@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 from trainers.config import TrainConfig
 
 CONNECT_TIMEOUT_S = 5.0
 _connected_here = False  # whether init_ray (not the caller) connected this process to Ray
+_reaper: subprocess.Popen[bytes] | None = None  # ends the private cluster's leftovers
+REAPER_WAIT_S = 10.0
 
 
 def init_ray(num_cpus: int | None = None, address: str | None = None) -> None:
@@ -39,26 +44,52 @@ def init_ray(num_cpus: int | None = None, address: str | None = None) -> None:
                              f"or leave --ray.address (and RAY_ADDRESS) unset for a private "
                              f"local cluster") from None
     else:
+        temp_dir = os.environ.get("AGENTRL_RAY_TMP") or tempfile.mkdtemp(prefix="agentrl-ray-")
         ray.init(
             num_cpus=num_cpus or os.cpu_count() or 2,
             include_dashboard=False,
             ignore_reinit_error=True,
             log_to_driver=True,
-            _temp_dir=os.environ.get("AGENTRL_RAY_TMP")
-            or tempfile.mkdtemp(prefix="agentrl-ray-"),
+            _temp_dir=temp_dir,
         )
+        _start_reaper(temp_dir)
     _connected_here = True  # only once connected: a failed join leaves nothing to shut down
 
 
 def shutdown_ray() -> None:
     """Disconnect from Ray if `init_ray` connected this process (a private cluster stops with
-    it, so none of its helper processes outlives the command); a caller's own Ray is left."""
-    global _connected_here
+    it, and its reaper ends the helpers Ray leaves, before this returns); a caller's own Ray
+    is left."""
+    global _connected_here, _reaper
     if _connected_here:
         import ray
 
         ray.shutdown()
         _connected_here = False
+    reaper, _reaper = _reaper, None
+    if reaper is not None:
+        assert reaper.stdin is not None
+        reaper.stdin.close()
+        try:
+            reaper.wait(timeout=REAPER_WAIT_S)
+        except subprocess.TimeoutExpired:
+            reaper.kill()
+            reaper.wait()
+
+
+def _start_reaper(temp_dir: str) -> None:
+    """Start `ray_reaper.py` for the private cluster in `temp_dir`: when this process ends,
+    whatever way, it ends the cluster's processes (Ray's agents outlive a SIGKILLed driver by
+    about a minute otherwise). Its own session, so a terminal's Ctrl-C reaches only us."""
+    global _reaper
+    if not os.path.isdir("/proc"):  # Linux only; elsewhere Ray's own clean-up is all there is.
+        return
+    _reaper = subprocess.Popen(
+        [sys.executable, "-I", str(Path(__file__).with_name("ray_reaper.py")), temp_dir,
+         str(os.getpid())],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def _check_answers(address: str) -> None:

@@ -17,14 +17,12 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 def ray_cluster(tmp_path_factory):
     import os
 
-    import ray
-
-    from trainers.ray_utils import init_ray
+    from trainers.ray_utils import init_ray, shutdown_ray
 
     os.environ["AGENTRL_RAY_TMP"] = str(tmp_path_factory.mktemp("ray"))
     init_ray(num_cpus=2)
     yield
-    ray.shutdown()
+    shutdown_ray()  # and its reaper ends Ray's agents, so none outlives the module
 
 
 def _metrics(run_dir):

@@ -25,7 +25,10 @@ def two_node_cluster(monkeypatch):
     import ray
     from ray.cluster_utils import Cluster
 
-    if ray.is_initialized():  # a private cluster of an earlier test in this process
+    from trainers.ray_utils import shutdown_ray
+
+    shutdown_ray()  # a private cluster of an earlier test in this process, and its reaper
+    if ray.is_initialized():
         ray.shutdown()
     tmp = tempfile.mkdtemp(prefix="ray2-")  # short: Ray's socket paths must fit in 107 bytes
     monkeypatch.setenv("RAY_TMPDIR", tmp)  # where the cluster notes its address (for "auto")
@@ -66,6 +69,9 @@ def test_a_placed_run_spreads_over_the_nodes_of_a_joined_cluster(two_node_cluste
 def test_an_address_that_does_not_answer_fails_within_seconds(make_cfg):
     import ray
 
+    from trainers.ray_utils import shutdown_ray
+
+    shutdown_ray()
     if ray.is_initialized():
         ray.shutdown()
     with socket.socket() as s:  # a port nobody listens on
