@@ -27,11 +27,13 @@ from servers.generation import (
     retry_count,
     run_unless_disconnected,
     sampling_params,
+    stored,
+    stored_stream_end,
 )
 from servers.images import load_images
 from servers.protocol import ChatCompletionRequest, NamedToolChoice
 from servers.render import Rendered
-from servers.streaming import SSE_DONE, ChoiceText, sse, token_logprob_entries
+from servers.streaming import ChoiceText, sse, token_logprob_entries
 from servers.tools import ParseEvent
 
 log = logging.getLogger(__name__)
@@ -156,6 +158,7 @@ async def _complete(call: _Call, request: Request) -> Response:
         call.record([], aborted=True)
         return Response(status_code=499)
     call.record(completions, aborted=False)
+    await stored(call.state)
     choices = []
     for i, c in enumerate(completions):
         text = call.choice_text()
@@ -266,4 +269,4 @@ async def _stream(call: _Call, request: Request) -> AsyncIterator[bytes]:
         if call.session is not None:
             call.session.in_flight -= 1
         call.record([a.completion() for a in accs], aborted=status != "done")
-    yield SSE_DONE
+    yield await stored_stream_end(call.state)

@@ -3,12 +3,18 @@ engine, with uvicorn. With no flag it serves the embedded default model, as `tra
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
+import json
 import logging
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from servers.durable import SqliteSessionStore, default_store_path
+from servers.sessions import InMemorySessionStore, SessionStore, StoreError
 
 if TYPE_CHECKING:
     import uvicorn
@@ -54,6 +60,9 @@ class ServeArgs:
     """Largest image fetched from a URL."""
     image_url_timeout_s: float = 10.0
     """Longest wait for an image URL's server."""
+    store: str | None = None
+    """Where sessions are kept across restarts: a SQLite file (default: one per model under
+    $XDG_DATA_HOME/agentrl/sessions/, printed at start), or `memory` (lost when it stops)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -98,11 +107,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agentrl serve: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or args.model
+    try:
+        store = open_store(args.store, args.model, tokenizer)
+    except StoreError as e:
+        engine.close()
+        print(f"agentrl serve: {e}", file=sys.stderr)
+        return 2
     app = create_app(
         engine,
         # Hugging Face's stubs type the general case (batches in, lists out); the proxy calls
         # decode on one id list and apply_chat_template without tokenizing, which give strings.
         cast("Tokenizer", tokenizer),
+        store,
         config=ProxyConfig(model_name=name, api_keys=args.api_key,
                            max_concurrency=args.max_concurrency, tool_parser=args.tool_parser,
                            max_images_per_request=args.max_images_per_request,
@@ -118,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         base = f"http://{args.host}:{port}"
         print(f"agentrl proxy serving {name!r}\n  OpenAI base_url: {base}/v1\n"
               f"  per-session base_url: {base}/sessions/<session-id>/v1\n"
-              f"  trajectories: GET {base}/sessions/<session-id>", flush=True)
+              f"  trajectories: GET {base}/sessions/<session-id>\n"
+              f"  sessions stored in: {_where(store)}", flush=True)
 
     try:
         _run_with_announce(server, announce)
@@ -126,7 +143,30 @@ def main(argv: list[str] | None = None) -> int:
         print("agentrl serve: stopped", file=sys.stderr)
     finally:
         engine.close()  # vLLM's engine runs in processes of its own: stop them with the server
+        if isinstance(store, SqliteSessionStore):
+            store.close()
     return 0
+
+
+def open_store(where: str | None, model: str, tokenizer: object) -> SessionStore:
+    """`--store`: `memory`, a SQLite path, or (None) the model's default path."""
+    if where == "memory":
+        return InMemorySessionStore()
+    path = Path(where) if where else default_store_path(model)
+    return SqliteSessionStore(path, tokenizer_id=vocabulary_id(tokenizer))
+
+
+def vocabulary_id(tokenizer: object) -> str:
+    """What a store's token ids mean: the vocabulary's size and a hash of it."""
+    vocab = sorted(cast("Any", tokenizer).get_vocab().items(), key=lambda kv: kv[1])
+    digest = hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+    return f"a vocabulary of {len(vocab)} tokens (sha256 {digest})"
+
+
+def _where(store: SessionStore) -> str:
+    if isinstance(store, SqliteSessionStore):
+        return f"{store.path} ({store.restored} sessions restored)"
+    return "memory only (lost when the server stops; --store PATH keeps them)"
 
 
 def _run_with_announce(server: uvicorn.Server, announce: Callable[[], Awaitable[None]]) -> None:

@@ -26,9 +26,11 @@ from servers.generation import (
     retry_count,
     run_unless_disconnected,
     sampling_params,
+    stored,
+    stored_stream_end,
 )
 from servers.protocol import CompletionRequest
-from servers.streaming import SSE_DONE, ChoiceText, sse
+from servers.streaming import ChoiceText, sse
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs  # typing's own from Python 3.13
@@ -108,6 +110,7 @@ async def completions(request: Request) -> Response:
         record([], True)
         return Response(status_code=499)
     record(comps, False)
+    await stored(state)
     choices = []
     for i, c in enumerate(comps):
         text, reason = text_of(c)
@@ -156,4 +159,4 @@ async def _stream(
         yield sse(error_body(500, f"the engine failed mid-stream: {e}", None, None))
     finally:
         record([a.completion() for a in accs], not ok)
-    yield SSE_DONE
+    yield await stored_stream_end(state)

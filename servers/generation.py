@@ -18,8 +18,9 @@ from agentrl.engine.base import PromptTooLongError
 from agentrl.types import Completion, FinishReason, Image, SamplingParams
 from servers.config import ProxyState
 from servers.deps import StreamingEngine, TokenDelta
-from servers.errors import APIError, validation_message
-from servers.sessions import CallRecord, Session
+from servers.errors import APIError, error_body, validation_message
+from servers.sessions import CallRecord, Session, StoreError, check_session_id
+from servers.streaming import SSE_DONE, sse
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -49,6 +50,14 @@ def check_model(state: ProxyState, name: str) -> None:
     )
 
 
+def valid_session_id(sid: str) -> str:
+    """`sid`, or a 400 saying what a session id may be (length, characters)."""
+    try:
+        return check_session_id(sid)
+    except ValueError as e:
+        raise APIError(400, str(e), code="invalid_session_id", param="session_id") from None
+
+
 def bind_session(state: ProxyState, request: Request) -> Session | None:
     """The session named by the path, the `X-Session-Id` header or a `session-<id>` api key."""
     sid = request.path_params.get("session_id") or request.headers.get("x-session-id")
@@ -60,6 +69,7 @@ def bind_session(state: ProxyState, request: Request) -> Session | None:
             sid = key[len(prefix) :]
     if sid is None:
         return None
+    valid_session_id(sid)
     session = state.store.get(sid)
     if session is None:
         if not state.config.auto_create_sessions:
@@ -250,6 +260,23 @@ class Accumulator:
             finish_reason=reason,
             policy_version=self.policy_version,
         )
+
+
+async def stored(state: ProxyState) -> None:
+    """Wait until every change so far is in the session store: answer a client only then."""
+    try:
+        await state.store.sync()
+    except StoreError as e:
+        raise APIError(500, str(e), code="session_store_failed") from None
+
+
+async def stored_stream_end(state: ProxyState) -> bytes:
+    """The last event of a stream: [DONE] once the turn is stored, else an error event."""
+    try:
+        await stored(state)
+    except APIError as e:
+        return sse(error_body(e.status, e.message, e.code, e.param)) + SSE_DONE
+    return SSE_DONE
 
 
 def record_call(

@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from servers.sessions import SESSION_ID_PATTERN
+
 _STRICT = ConfigDict(strict=True, extra="allow")
 _CLOSED = ConfigDict(strict=True, extra="forbid")
 
@@ -194,6 +196,6 @@ class RewardRequest(BaseModel):
 
 class SessionCreate(BaseModel):
     model_config = _CLOSED
-    id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.\-]{1,128}$")
+    id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
     group: str | None = None
     info: dict = Field(default_factory=dict)

@@ -1,15 +1,20 @@
-"""Session management: create, list, inspect, reward, close, delete, export as JSON lines."""
+"""Session management: create, list (paged), inspect, reward, close, delete, and export as JSON
+lines, streamed a trajectory at a time. Every change is stored before it is answered."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from servers.config import ProxyState
 from servers.errors import APIError
-from servers.generation import parse_body
+from servers.generation import parse_body, stored, valid_session_id
 from servers.protocol import RewardRequest, SessionCreate
 from servers.sessions import Session
+
+MAX_PAGE = 1000
 
 router = APIRouter()
 
@@ -19,7 +24,7 @@ def _state(request: Request) -> ProxyState:
 
 
 def _get(state: ProxyState, session_id: str) -> Session:
-    session = state.store.get(session_id)
+    session = state.store.get(valid_session_id(session_id))
     if session is None:
         raise APIError(
             404,
@@ -40,32 +45,61 @@ async def create_session(request: Request) -> JSONResponse:
     state = _state(request)
     raw = await request.body()
     req = parse_body(SessionCreate, raw) if raw.strip() else SessionCreate()
+    if req.id is not None:
+        valid_session_id(req.id)
     try:
         session = state.store.create(req.id, group=req.group, info=req.info)
     except KeyError as e:
         raise APIError(409, f"{e.args[0]}; pick another id or omit it", code="session_exists",
                        param="id") from None
+    await stored(state)
     return JSONResponse(
         {**session.summary(), "base_url": _base_url(request, session.id)}, status_code=201
     )
 
 
 @router.get("/sessions")
-async def list_sessions(request: Request) -> JSONResponse:
+async def list_sessions(request: Request, limit: int = 100, after: str | None = None
+                        ) -> JSONResponse:
+    """Sessions in creation order, `limit` at a time; `after` is the last id of the page before
+    (OpenAI's list paging: `has_more`, `first_id`, `last_id`)."""
     state = _state(request)
-    return JSONResponse({"object": "list", "data": [s.summary() for s in state.store.list()]})
+    if not 1 <= limit <= MAX_PAGE:
+        raise APIError(400, f"limit must be between 1 and {MAX_PAGE}, got {limit}",
+                       param="limit")
+    sessions = state.store.list()
+    start = 0
+    if after is not None:
+        ids = [s.id for s in sessions]
+        if valid_session_id(after) not in ids:
+            raise APIError(400, f"after={after!r} is not a session id of this server (use the "
+                                f"last_id of the previous page)", param="after")
+        start = ids.index(after) + 1
+    page = sessions[start : start + limit]
+    return JSONResponse({
+        "object": "list",
+        "data": [s.summary() for s in page],
+        "has_more": start + limit < len(sessions),
+        "first_id": page[0].id if page else None,
+        "last_id": page[-1].id if page else None,
+    })
+
+
+def _ndjson(sessions: Iterable[Session]) -> StreamingResponse:
+    """Trajectories as JSON lines, built one session at a time (off the event loop: Starlette
+    iterates a plain generator in its thread pool), never as one big body."""
+    def lines() -> Iterator[str]:
+        for s in sessions:
+            for t in s.trajectories():
+                yield t.to_json() + "\n"
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
 @router.get("/export")
-async def export_all(request: Request, closed_only: bool = False) -> Response:
+async def export_all(request: Request, closed_only: bool = False) -> StreamingResponse:
     state = _state(request)
-    lines = [
-        t.to_json()
-        for s in state.store.list()
-        if s.closed or not closed_only
-        for t in s.trajectories()
-    ]
-    return Response("".join(line + "\n" for line in lines), media_type="application/x-ndjson")
+    return _ndjson(s for s in state.store.list() if s.closed or not closed_only)
 
 
 @router.get("/sessions/{session_id}")
@@ -77,10 +111,8 @@ async def get_session(request: Request, session_id: str) -> JSONResponse:
 
 
 @router.get("/sessions/{session_id}/export")
-async def export_session(request: Request, session_id: str) -> Response:
-    session = _get(_state(request), session_id)
-    body = "".join(t.to_json() + "\n" for t in session.trajectories())
-    return Response(body, media_type="application/x-ndjson")
+async def export_session(request: Request, session_id: str) -> StreamingResponse:
+    return _ndjson([_get(_state(request), session_id)])
 
 
 @router.post("/sessions/{session_id}/reward")
@@ -98,6 +130,7 @@ async def reward(request: Request, session_id: str) -> JSONResponse:
         )
     except KeyError as e:
         raise APIError(400, e.args[0], code="call_not_found", param="call_id") from None
+    await stored(_state(request))
     return JSONResponse(session.summary())
 
 
@@ -105,6 +138,7 @@ async def reward(request: Request, session_id: str) -> JSONResponse:
 async def close(request: Request, session_id: str) -> JSONResponse:
     session = _get(_state(request), session_id)
     session.close()
+    await stored(_state(request))
     return JSONResponse(session.summary())
 
 
@@ -113,4 +147,5 @@ async def delete(request: Request, session_id: str) -> JSONResponse:
     state = _state(request)
     _get(state, session_id)
     state.store.delete(session_id)
+    await stored(state)
     return JSONResponse({"id": session_id, "object": "session.deleted", "deleted": True})

@@ -11,19 +11,40 @@ extends whichever fork its prompt continues, longest match first. A retried requ
 (`x-stainless-retry-count > 0`) replaces the latest call with the same prompt ids instead of
 adding a duplicate turn. Aborted calls (client disconnect) are kept in the log, marked, and
 left out of the trajectories: the client never saw them, so no later call continues them.
+
+Every change to a session (record, reward, close) goes through its `journal` when it has one:
+that is how `servers.durable.SqliteSessionStore` keeps sessions across restarts. Routes
+`await store.sync()` before answering, so a turn a client has seen is stored.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from agentrl.types import Completion, Image, Trajectory, TrajectoryBuilder
+
+SESSION_ID_PATTERN = r"^[A-Za-z0-9_.\-]{1,128}$"
+_SESSION_ID = re.compile(SESSION_ID_PATTERN)
+
+
+def check_session_id(session_id: str) -> str:
+    """The id if it is 1-128 letters, digits, `_`, `.` or `-`; else a ValueError saying so."""
+    if not _SESSION_ID.fullmatch(session_id) or session_id in (".", ".."):
+        shown = session_id if len(session_id) <= 40 else session_id[:40] + "..."
+        raise ValueError(f"invalid session id {shown!r} ({len(session_id)} characters): use 1 "
+                         f"to 128 letters, digits, '_', '.' or '-'")
+    return session_id
+
+
+class StoreError(RuntimeError):
+    """The session store cannot be opened or written."""
 
 
 @dataclass
@@ -73,6 +94,8 @@ class Session:
         self.rewards: list[RewardRecord] = []
         self.replaced_calls = 0
         self.in_flight = 0
+        self.journal: Callable[[str, Any], None] | None = None
+        """Called with (kind, payload) after each change: "call", "reward", "close"."""
         self._cache: tuple[list[Trajectory], int] | None = None
         self._version = 0
 
@@ -87,6 +110,8 @@ class Session:
                     break
         self.calls.append(call)
         self._version += 1
+        if self.journal is not None:
+            self.journal("call", call)
 
     def add_reward(
         self,
@@ -108,10 +133,16 @@ class Session:
         self.truncated = self.truncated or truncated
         self.info.update(info or {})
         self._version += 1
+        if self.journal is not None:
+            self.journal("reward", {"value": float(value), "call_id": call_id, "choice": choice,
+                                    "terminated": terminated, "truncated": truncated,
+                                    "info": info or {}})
 
     def close(self) -> None:
         self.closed = True
         self._version += 1
+        if self.journal is not None:
+            self.journal("close", {})
 
     def completed_calls(self) -> list[CallRecord]:
         return [c for c in self.calls if not c.aborted]
@@ -226,6 +257,8 @@ class SessionStore(Protocol):
     ) -> Session: ...
     def list(self) -> list[Session]: ...
     def delete(self, session_id: str) -> bool: ...
+    async def sync(self) -> None:
+        """Return once every change made so far is stored (a no-op in memory)."""
 
 
 class InMemorySessionStore:
@@ -243,7 +276,7 @@ class InMemorySessionStore:
         self, session_id: str | None = None, *, group: str | None = None, info: dict | None = None
     ) -> Session:
         with self._lock:
-            sid = session_id or uuid.uuid4().hex
+            sid = uuid.uuid4().hex if session_id is None else check_session_id(session_id)
             if sid in self._sessions:
                 raise KeyError(f"session {sid!r} already exists")
             session = Session(sid, group=group, info=info)
@@ -257,3 +290,6 @@ class InMemorySessionStore:
     def delete(self, session_id: str) -> bool:
         with self._lock:
             return self._sessions.pop(session_id, None) is not None
+
+    async def sync(self) -> None:
+        return None

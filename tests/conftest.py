@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# `agentrl serve` keeps sessions under $XDG_DATA_HOME by default: never the user's, in tests.
+os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="agentrl-test-data-")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,7 +13,7 @@ from agentrl.models import load_tokenizer
 from servers.app import create_app
 from servers.config import ProxyConfig
 from servers.serving import serve_in_thread
-from servers.sessions import InMemorySessionStore
+from servers.sessions import InMemorySessionStore, SessionStore
 from servers.testing import FakeEngine, StreamingFakeEngine
 
 
@@ -23,7 +23,7 @@ def tok():
 
 
 class Proxy:
-    def __init__(self, url: str, engine: FakeEngine, store: InMemorySessionStore) -> None:
+    def __init__(self, url: str, engine: FakeEngine, store: SessionStore) -> None:
         self.url = url
         self.engine = engine
         self.store = store
@@ -40,11 +40,12 @@ def make_proxy(tok) -> Iterator[Callable[..., Proxy]]:
     with contextlib.ExitStack() as stack:
 
         def make(engine: FakeEngine | None = None, *, streaming: bool = False,
-                 tokenizer: object = None, **config: object) -> Proxy:
+                 tokenizer: object = None, store: SessionStore | None = None,
+                 **config: object) -> Proxy:
             t = tokenizer or tok
             if engine is None:
                 engine = StreamingFakeEngine(t) if streaming else FakeEngine(t)
-            store = InMemorySessionStore()
+            store = store if store is not None else InMemorySessionStore()
             app = create_app(engine, t, store,
                              config=ProxyConfig(**config))  # type: ignore[arg-type]
             url = stack.enter_context(serve_in_thread(app))

@@ -116,3 +116,49 @@ def test_disconnect_aborts_generation_and_marks_call(make_proxy, tok, stream):
     s = p.store.get("dc").summary()
     assert s["aborted_calls"] == 1 and s["num_calls"] == 0
     assert httpx.get(f"{p.url}/health").status_code == 200
+
+
+BAD_IDS = [("3000 characters", "s" * 3000), ("path", "../../export"), ("slash", "a/b"),
+           ("CR LF", "a\r\nX-Injected: 1"), ("NUL", "a\x00b"), ("space", "a b"), ("dots", "..")]
+
+
+@pytest.mark.parametrize(("name", "sid"), BAD_IDS, ids=[b[0] for b in BAD_IDS])
+def test_bad_session_ids_are_refused_wherever_they_come_from(proxy, name, sid):
+    """#17 item 6: a 100 KB id, `../../export` and ids with CR/LF used to be accepted."""
+    from urllib.parse import quote
+
+    path = quote(sid, safe="")
+    responses = [
+        httpx.post(f"{proxy.url}/sessions", json={"id": sid}),
+        httpx.post(f"{proxy.url}/v1/chat/completions", json=OK,
+                   headers={"authorization": f"Bearer session-{path}"}),
+    ]
+    if sid != "..":  # (the client itself resolves a `..` path segment)
+        responses += [
+            httpx.post(f"{proxy.url}/sessions/{path}/v1/chat/completions", json=OK),
+            httpx.get(f"{proxy.url}/sessions/{path}"),
+            httpx.post(f"{proxy.url}/sessions/{path}/reward", json={"reward": 1.0}),
+        ]
+    if sid.isprintable():
+        responses.append(httpx.post(f"{proxy.url}/v1/chat/completions", json=OK,
+                                    headers={"x-session-id": sid}))
+    for r in responses:
+        if r.status_code == 404 and "/" in sid:
+            continue  # an encoded slash splits the path: no route takes it, which is fine
+        assert r.status_code == 400, (r.request.url, r.text[:200])
+        error = r.json()["error"]
+        assert "session id" in error["message"] or "'id'" in error["message"], error
+    assert proxy.store.list() == [] and proxy.engine.requests == []
+
+
+def test_sessions_list_is_paged(proxy):
+    for i in range(5):
+        httpx.post(f"{proxy.url}/sessions", json={"id": f"s{i}"}).raise_for_status()
+    first = httpx.get(f"{proxy.url}/sessions", params={"limit": 2}).json()
+    assert ([s["id"] for s in first["data"]], first["has_more"], first["last_id"]) == (
+        ["s0", "s1"], True, "s1")
+    rest = httpx.get(f"{proxy.url}/sessions", params={"limit": 10, "after": "s1"}).json()
+    assert ([s["id"] for s in rest["data"]], rest["has_more"]) == (["s2", "s3", "s4"], False)
+    r = httpx.get(f"{proxy.url}/sessions", params={"after": "nope"})
+    assert r.status_code == 400 and "last_id of the previous page" in r.json()["error"]["message"]
+    assert httpx.get(f"{proxy.url}/sessions", params={"limit": 0}).status_code == 400

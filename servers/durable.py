@@ -1,0 +1,244 @@
+"""Sessions that survive the server: an append-only event log in SQLite (WAL mode).
+
+Every change to a session (created, a call recorded, a reward, closed, deleted) is one row of
+`events`, written by one writer thread in batches, so the event loop never waits on the disk.
+Routes `await store.sync()` before they answer, so a turn the client has seen is in the log:
+after `kill -9` and a restart the log is replayed through the same `Session` methods, and
+every session merges and exports exactly as it would have without the restart. Calls still in
+flight at the kill were never answered, so nothing a client saw is missing.
+
+One server per store: a second one on the same file is refused (an advisory lock), and a store
+remembers the tokenizer its token ids belong to, so serving another model from it is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import functools
+import json
+import logging
+import os
+import queue
+import sqlite3
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from agentrl.types import Completion, Image
+from servers.sessions import CallRecord, InMemorySessionStore, Session, StoreError
+
+log = logging.getLogger(__name__)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    session TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    body TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+_BATCH = 256
+
+
+def default_store_path(model: str) -> Path:
+    """Where `agentrl serve` keeps a model's sessions unless told otherwise."""
+    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in Path(model).name) or "model"
+    return base / "agentrl" / "sessions" / f"{safe}.sqlite"
+
+
+class SqliteSessionStore(InMemorySessionStore):
+    """Sessions in memory for speed, every change journaled to `path` for durability."""
+
+    def __init__(self, path: str | Path, *, tokenizer_id: str) -> None:
+        """`tokenizer_id` names what the token ids mean (model name and vocabulary size): a
+        store written for one tokenizer is refused for another."""
+        super().__init__()
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock_file = _lock(self.path)
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")  # a commit survives kill -9
+            self._db.executescript(_SCHEMA)
+            _check_tokenizer(self._db, self.path, tokenizer_id)
+            self.restored = self._replay()
+        except sqlite3.Error as e:
+            self._lock_file.close()
+            raise StoreError(f"cannot use the session store {self.path}: {e}; pass --store with "
+                             f"another path (or --store memory)") from None
+        except BaseException:
+            self._lock_file.close()
+            raise
+        self._queue: queue.SimpleQueue[tuple[str, str, Any] | Future[None] | None] = (
+            queue.SimpleQueue())
+        self._failed: BaseException | None = None
+        self._writer = threading.Thread(target=self._write_loop, name="agentrl-session-store",
+                                        daemon=True)
+        self._writer.start()
+
+    # -- the store interface ----------------------------------------------------------------
+
+    def create(
+        self, session_id: str | None = None, *, group: str | None = None, info: dict | None = None
+    ) -> Session:
+        session = super().create(session_id, group=group, info=info)
+        self._append(session.id, "create", {"group": group, "info": info or {},
+                                            "created": session.created})
+        session.journal = functools.partial(self._append, session.id)
+        return session
+
+    def delete(self, session_id: str) -> bool:
+        deleted = super().delete(session_id)
+        if deleted:
+            self._append(session_id, "delete", {})
+        return deleted
+
+    async def sync(self) -> None:
+        """Return once every change made so far is committed; raise if storing failed."""
+        done: Future[None] = Future()
+        self._queue.put(done)
+        await asyncio.wrap_future(done)
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """`sync` for threads: block until every change so far is committed."""
+        done: Future[None] = Future()
+        self._queue.put(done)
+        done.result(timeout=timeout_s)
+
+    def close(self) -> None:
+        """Commit what is queued, stop the writer, release the file."""
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+        self._db.close()
+        self._lock_file.close()
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def _append(self, session_id: str, kind: str, payload: Any) -> None:
+        self._queue.put((session_id, kind, payload))
+
+    def _write_loop(self) -> None:
+        stop = False
+        while not stop:
+            batch = [self._queue.get()]
+            while len(batch) < _BATCH:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            rows: list[tuple[str, str, Any]] = []
+            waiting: list[Future[None]] = []
+            for item in batch:
+                if item is None:
+                    stop = True
+                elif isinstance(item, Future):
+                    waiting.append(item)
+                else:
+                    rows.append(item)
+            if rows and self._failed is None:
+                try:
+                    body = [(sid, kind, json.dumps(_encode(kind, payload)))
+                            for sid, kind, payload in rows]
+                    self._db.execute("BEGIN")
+                    self._db.executemany(
+                        "INSERT INTO events (session, kind, body) VALUES (?, ?, ?)", body)
+                    self._db.execute("COMMIT")
+                except (sqlite3.Error, TypeError, ValueError) as e:
+                    if self._db.in_transaction:
+                        self._db.execute("ROLLBACK")
+                    log.error("session store %s: writing failed: %s", self.path, e)
+                    self._failed = StoreError(f"the session store {self.path} could not be "
+                                              f"written ({e}); recorded turns are kept in "
+                                              f"memory until the server stops")
+            for done in waiting:
+                if self._failed is not None:
+                    done.set_exception(self._failed)
+                else:
+                    done.set_result(None)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def _replay(self) -> int:
+        """Rebuild the sessions from the log; returns how many there are."""
+        for sid, kind, body in self._db.execute(
+                "SELECT session, kind, body FROM events ORDER BY seq"):
+            data = json.loads(body)
+            if kind == "create":
+                super().create(sid, group=data["group"], info=data["info"]).created = (
+                    data["created"])
+                continue
+            session = self._sessions.get(sid)
+            if kind == "delete":
+                super().delete(sid)
+            elif session is None:
+                log.warning("session store %s: %s event for unknown session %r ignored",
+                            self.path, kind, sid)
+            elif kind == "call":
+                session.record(_decode_call(data))
+            elif kind == "reward":
+                session.add_reward(data["value"], call_id=data["call_id"],
+                                   choice=data["choice"], terminated=data["terminated"],
+                                   truncated=data["truncated"], info=data["info"])
+            elif kind == "close":
+                session.close()
+        for session in self._sessions.values():  # Journal only what happens from now on.
+            session.journal = functools.partial(self._append, session.id)
+        return len(self._sessions)
+
+
+def _lock(path: Path) -> Any:
+    lock = open(path.with_name(path.name + ".lock"), "a+")  # noqa: SIM115 - held until close
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise StoreError(f"another server is using the session store {path}; stop it, or pass "
+                         f"--store with another path (or --store memory)") from None
+    return lock
+
+
+def _check_tokenizer(db: sqlite3.Connection, path: Path, tokenizer_id: str) -> None:
+    row = db.execute("SELECT value FROM meta WHERE key = 'tokenizer'").fetchone()
+    if row is None:
+        db.execute("INSERT INTO meta (key, value) VALUES ('tokenizer', ?)", (tokenizer_id,))
+    elif row[0] != tokenizer_id:
+        raise StoreError(f"the session store {path} holds token ids of {row[0]}, not of "
+                         f"{tokenizer_id}; pass --store with another path for this model")
+
+
+def _encode(kind: str, payload: Any) -> Any:
+    if kind != "call":
+        return payload
+    call: CallRecord = payload
+    return {
+        "call_id": call.call_id,
+        "prompt_ids": call.prompt_ids,
+        "choices": [{"token_ids": c.token_ids, "logprobs": c.logprobs,
+                     "finish_reason": c.finish_reason, "policy_version": c.policy_version,
+                     "stop_reason": c.stop_reason, "top_logprobs": c.top_logprobs}
+                    for c in call.choices],
+        "images": [im.to_dict() for im in call.images],
+        "aborted": call.aborted,
+        "retry_count": call.retry_count,
+        "created": call.created,
+    }
+
+
+def _decode_call(d: dict) -> CallRecord:
+    choices = [
+        Completion(token_ids=c["token_ids"], logprobs=c["logprobs"],
+                   finish_reason=c["finish_reason"], policy_version=c["policy_version"],
+                   stop_reason=c["stop_reason"],
+                   top_logprobs=None if c["top_logprobs"] is None else
+                   [[(int(t), float(lp)) for t, lp in pos] for pos in c["top_logprobs"]])
+        for c in d["choices"]
+    ]
+    return CallRecord(call_id=d["call_id"], prompt_ids=d["prompt_ids"], choices=choices,
+                      images=[Image.from_dict(im) for im in d["images"]], aborted=d["aborted"],
+                      retry_count=d["retry_count"], created=d["created"])
