@@ -2,6 +2,8 @@
 
     python benchmarks/proxy_overhead.py                  # fake engine, 64 sessions + 256 streams
     python benchmarks/proxy_overhead.py --real           # also the transformers engine (embedded)
+    python benchmarks/proxy_overhead.py --hostile        # 64 sessions beside one client that
+                                                         # sends 5 MB and 30 MB messages
 
 The proxy runs in its own process (uvicorn on 127.0.0.1, as deployed); the load generator is a
 minimal keep-alive HTTP/1.1 client on asyncio streams in this process, so client overhead stays
@@ -27,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _serve(port: int, engine_kind: str, latency: float, token_latency: float) -> None:
+def _serve(port: int, engine_kind: str, latency: float, token_latency: float,
+           tokenizer: str = "tiny") -> None:
     import uvicorn
 
     from agentrl.models import load_tokenizer
@@ -41,7 +44,7 @@ def _serve(port: int, engine_kind: str, latency: float, token_latency: float) ->
         tok = load_tokenizer("embedded")
         engine = create_engine("embedded", tokenizer=tok)
     else:
-        tok = load_tokenizer("tiny")
+        tok = load_tokenizer(tokenizer)
         engine = StreamingFakeEngine(
             tok,
             latency_s=latency,
@@ -49,6 +52,10 @@ def _serve(port: int, engine_kind: str, latency: float, token_latency: float) ->
             reply=lambda p, _i: "reply " + p.split("session ")[-1].split("<")[0],
         )
     app = create_app(engine, tok, config=ProxyConfig(model_name="m"))
+    if os.environ.get("AGENTRL_BENCH_NO_FREEZE") is None:  # as `agentrl serve` does
+        from servers.serving import freeze_startup_objects
+
+        freeze_startup_objects()
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
@@ -164,7 +171,8 @@ async def _load(
     return {"lat": lat, "mixed": mixed, "errors": errors, "wall": wall, "requests": len(lat)}
 
 
-def _start(port: int, kind: str, latency: float, token_latency: float) -> subprocess.Popen:
+def _start(port: int, kind: str, latency: float, token_latency: float,
+           tokenizer: str = "tiny") -> subprocess.Popen:
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -178,6 +186,8 @@ def _start(port: int, kind: str, latency: float, token_latency: float) -> subpro
             str(latency),
             "--token-latency",
             str(token_latency),
+            "--tokenizer",
+            tokenizer,
         ],
         cwd=ROOT,
     )
@@ -213,9 +223,20 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=20, help="requests per session")
     ap.add_argument("--real", action="store_true", help="also run the transformers engine")
     ap.add_argument("--real-only", action="store_true", help="only the transformers engine")
+    ap.add_argument("--hostile", action="store_true",
+                    help="only: 64 sessions beside a client sending huge messages")
+    ap.add_argument("--tokenizer", default="tiny", help=argparse.SUPPRESS)
+    ap.add_argument("--huge-client", type=float, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--rate", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.huge_client:
+        _huge_client(args.port, args.huge_client, args.rate)
+        return
     if args.serve:
-        _serve(args.port, args.engine, args.latency, args.token_latency)
+        _serve(args.port, args.engine, args.latency, args.token_latency, args.tokenizer)
+        return
+    if args.hostile:
+        _hostile(args)
         return
 
     if args.real_only:
@@ -254,6 +275,90 @@ def main() -> None:
     if args.real:
         _real(args.port + 1)
     print(f"\nmedian of direct calls {statistics.median(direct) * 1e3:.2f} ms")
+
+
+def _huge_client(port: int, mb: float, rate: float) -> None:
+    """Another process (as a real client would be): send one user message of `mb` MB (about
+    0.2 M tokens per MB) `rate` times a second (0: back to back, a flood) until SIGTERM, then
+    print status counts and times."""
+    import http.client
+    import signal
+
+    body = json.dumps({"model": "m", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "lorem ipsum " * int(mb * 2**20 // 12)}]}).encode()
+    stop = False
+
+    def on_term(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    out: dict[int, list[float]] = {}
+    conn = http.client.HTTPConnection("127.0.0.1", port)
+    start = time.perf_counter()
+    sent = 0
+    while not stop:
+        if rate:
+            time.sleep(max(0.0, start + sent / rate - time.perf_counter()))
+        sent += 1
+        t = time.perf_counter()
+        try:
+            conn.request("POST", "/v1/chat/completions", body,
+                         {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            resp.read()
+            status = resp.status
+        except (OSError, http.client.HTTPException):
+            conn.close()
+            conn = http.client.HTTPConnection("127.0.0.1", port)
+            status = 0
+        out.setdefault(status, []).append(time.perf_counter() - t)
+    print(json.dumps({str(k): v for k, v in out.items()}), flush=True)
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return int(f.read().split("VmRSS:")[1].split()[0]) / 1024
+
+
+def _hostile(args: argparse.Namespace) -> None:
+    """#17 item 2: what one client sending huge messages costs everyone else."""
+    direct = asyncio.run(_direct(args.latency, args.requests, args.sessions))
+    b50, b99 = _pct(direct, 0.5), _pct(direct, 0.99)
+    print(f"# proxy beside a hostile client ({platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs, Python {platform.python_version()}, embedded tokenizer, "
+          f"fake engine {args.latency * 1e3:.0f} ms)\n")
+    print("| load | requests | p50 ms | p99 ms | added p50 ms | added p99 ms | req/s | errors "
+          "| mixed | huge requests (status: count, median s) | server RSS MB before/after |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    proc = _start(args.port, "fake", args.latency, 0.0, tokenizer="embedded")
+    try:
+        asyncio.run(_load(args.port, 4, 5, False, "fake"))  # warm up
+        for mb, rate in ((0, 0), (5, 10), (30, 2), (5, 0), (30, 0), (0.1, 0)):
+            before = _rss_mb(proc.pid)
+
+            client = None
+            if mb:
+                client = subprocess.Popen(
+                    [sys.executable, __file__, "--huge-client", str(mb), "--rate", str(rate),
+                     "--port", str(args.port)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+                time.sleep(1.0)
+            r = asyncio.run(_load(args.port, args.sessions, args.requests, False, "fake",
+                                  args.latency))
+            outcome: dict[str, list[float]] = {}
+            if client is not None:
+                client.terminate()
+                outcome = json.loads(client.communicate()[0] or "{}")
+            said = ", ".join(f"{st}: {len(v)}, {statistics.median(v):.2f}"
+                             for st, v in sorted(outcome.items())) or "-"
+            pace = f"{rate:g}/s" if rate else "back to back"
+            name = f"{args.sessions} sessions" + (f" + {mb:g} MB messages {pace}" if mb else
+                                                  ", quiet")
+            print(f"{_row(name, r, b50, b99)} {said} | {before:.0f} / "
+                  f"{_rss_mb(proc.pid):.0f} |", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait()
 
 
 def _real(port: int) -> None:

@@ -14,10 +14,11 @@ from servers import chat, completions, session_routes
 from servers.config import ProxyConfig, ProxyState
 from servers.deps import GenerateEngine, Tokenizer
 from servers.errors import APIError, install_error_handlers
-from servers.generation import check_model, parse_body
+from servers.generation import check_model, off_loop, parse_body, parse_request
 from servers.images import load_images
 from servers.middleware import ProxyGuard
 from servers.protocol import DetokenizeRequest, TokenizeRequest
+from servers.render import message_chars
 from servers.sessions import InMemorySessionStore, SessionStore
 
 misc = APIRouter()
@@ -95,18 +96,20 @@ async def health(request: Request) -> JSONResponse:
 @misc.post("/tokenize")
 async def tokenize(request: Request) -> JSONResponse:
     state = _state(request)
-    req = parse_body(TokenizeRequest, await request.body())
+    req = await parse_request(TokenizeRequest, request)
     if req.model is not None:
         check_model(state, req.model)
     if req.messages is not None:
+        chars = message_chars(req.messages, req.tools)
         images = await load_images(req.messages, state.config,
                                    vision=state.renderer.processor is not None)
-        rendered = state.renderer.render_chat(
-            req.messages, req.tools, add_generation_prompt=req.add_generation_prompt,
-            images=images,
+        rendered = await off_loop(
+            chars, state.renderer.render_chat, req.messages, req.tools,
+            add_generation_prompt=req.add_generation_prompt, images=images,
         )
     else:
-        rendered = state.renderer.render_text(req.prompt or "")
+        prompt = req.prompt or ""
+        rendered = await off_loop(len(prompt), state.renderer.render_text, prompt)
     return JSONResponse(
         {
             "tokens": rendered.ids,

@@ -22,8 +22,10 @@ from servers.generation import (
     engine_generate,
     engine_stream,
     new_id,
-    parse_body,
+    off_loop,
+    parse_request,
     record_call,
+    refuse_if_too_long,
     retry_count,
     run_unless_disconnected,
     sampling_params,
@@ -32,7 +34,7 @@ from servers.generation import (
 )
 from servers.images import load_images
 from servers.protocol import ChatCompletionRequest, NamedToolChoice
-from servers.render import Rendered
+from servers.render import Rendered, message_chars
 from servers.streaming import ChoiceText, sse, token_logprob_entries
 from servers.tools import ParseEvent
 
@@ -47,10 +49,7 @@ def _state(request: Request) -> ProxyState:
 class _Call:
     """One chat request, validated and rendered."""
 
-    def __init__(
-        self, state: ProxyState, request: Request, req: ChatCompletionRequest,
-        images: list[np.ndarray],
-    ) -> None:
+    def __init__(self, state: ProxyState, request: Request, req: ChatCompletionRequest) -> None:
         check_model(state, req.model)
         self.state, self.req = state, req
         self.session = bind_session(state, request)
@@ -61,9 +60,13 @@ class _Call:
         self.tool_names = [t.function.name for t in req.tools or ()] if use_tools else []
         if isinstance(req.tool_choice, NamedToolChoice):
             self.tool_names = [req.tool_choice.function.name]
-        self.rendered: Rendered = state.renderer.render_chat(
-            req.messages, req.tools if use_tools else None, images=images
-        )
+        self.tools = req.tools if use_tools else None
+
+    async def render(self, images: list[np.ndarray], chars: int) -> None:
+        """The prompt's ids (off the event loop when it is big) and the sampling params."""
+        state, req = self.state, self.req
+        self.rendered: Rendered = await off_loop(
+            chars, state.renderer.render_chat, req.messages, self.tools, images=images)
         self.params = sampling_params(
             state,
             prompt_len=len(self.rendered.ids),
@@ -128,11 +131,14 @@ def _finish(engine_reason: str | None, text: ChoiceText) -> str:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     state = _state(request)
-    req = parse_body(ChatCompletionRequest, await request.body())
+    req = await parse_request(ChatCompletionRequest, request, state)
     check_model(state, req.model)
+    chars = message_chars(req.messages, req.tools)
+    refuse_if_too_long(state, chars, "messages")
     images = await load_images(req.messages, state.config,
                                vision=state.renderer.processor is not None)
-    call = _Call(state, request, req, images)
+    call = _Call(state, request, req)
+    await call.render(images, chars)
     if call.session is not None:
         call.session.in_flight += 1
     try:

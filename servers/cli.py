@@ -50,6 +50,8 @@ class ServeArgs:
     """Require one of these keys as `Authorization: Bearer <key>` (default: no auth)."""
     max_concurrency: int = 1024
     """Most generation requests in flight; more get 503 + Retry-After."""
+    max_body_bytes: int = 32 * 2**20
+    """Largest request body accepted (413 beyond); images as data URLs count."""
     tool_parser: str = "hermes"
     """How tool calls are read from model text (see servers.tools.TOOL_PARSERS)."""
     max_images_per_request: int = 16
@@ -121,11 +123,15 @@ def main(argv: list[str] | None = None) -> int:
         store,
         config=ProxyConfig(model_name=name, api_keys=args.api_key,
                            max_concurrency=args.max_concurrency, tool_parser=args.tool_parser,
+                           max_body_bytes=args.max_body_bytes,
                            max_images_per_request=args.max_images_per_request,
                            allow_image_urls=args.allow_image_urls,
                            image_url_max_bytes=args.image_url_max_bytes,
                            image_url_timeout_s=args.image_url_timeout_s),
     )
+    from servers.serving import freeze_startup_objects
+
+    freeze_startup_objects()
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
     server = uvicorn.Server(config)
 

@@ -21,8 +21,10 @@ from servers.generation import (
     engine_generate,
     engine_stream,
     new_id,
-    parse_body,
+    off_loop,
+    parse_request,
     record_call,
+    refuse_if_too_long,
     retry_count,
     run_unless_disconnected,
     sampling_params,
@@ -61,7 +63,7 @@ def _legacy_logprobs(state: ProxyState, c: Completion, k: int) -> dict:
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     state: ProxyState = request.app.state.proxy
-    req = parse_body(CompletionRequest, await request.body())
+    req = await parse_request(CompletionRequest, request, state, "prompt")
     check_model(state, req.model)
     if req.echo:
         raise APIError(400, "echo=true is not supported by this server; drop it", param="echo")
@@ -72,7 +74,8 @@ async def completions(request: Request) -> Response:
                            param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = state.renderer.render_text(prompt).ids
+        refuse_if_too_long(state, len(prompt), "prompt")
+        ids = (await off_loop(len(prompt), state.renderer.render_text, prompt)).ids
     else:
         vocab = len(state.tokenizer)
         if any(not 0 <= t < vocab for t in prompt):

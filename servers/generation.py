@@ -7,9 +7,9 @@ import asyncio
 import difflib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -28,12 +28,63 @@ M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
 
+OFF_LOOP_BYTES = 1 << 20
+"""Request bodies over this are parsed in a worker thread, not on the event loop."""
+OFF_LOOP_CHARS = 1 << 16
+"""Prompts with more content characters than this are rendered and tokenized in a thread."""
+
+
 def parse_body(model: type[M], raw: bytes) -> M:
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
         message, param = validation_message(e)
         raise APIError(400, message, param=param) from None
+
+
+NON_PROMPT_BYTES = 1 << 20
+"""Room in a body for what is not prompt text (stop strings, logit_bias, schemas, keys)."""
+
+
+async def parse_request(model: type[M], request: Request, state: ProxyState | None = None,
+                        param: str = "messages") -> M:
+    """The request's body as `model`; a big one is parsed off the event loop. With `state`,
+    a text-only model's body too big to fit its context is refused unparsed (parsing holds
+    the GIL: a client sending 5 MB bodies back to back stalled everyone else)."""
+    length = request.headers.get("content-length", "")
+    size = int(length) if length.isdigit() else 0
+    if state is not None and size > NON_PROMPT_BYTES and state.renderer.processor is None:
+        # Each prompt character is at least 1 and at most 6 bytes of JSON (\uXXXX).
+        refuse_if_too_long(state, (size - NON_PROMPT_BYTES) // 6, param, body_bytes=size)
+    raw = await request.body()
+    if len(raw) > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(parse_body, model, raw)
+    return parse_body(model, raw)
+
+
+def refuse_if_too_long(state: ProxyState, chars: int, param: str,
+                       body_bytes: int | None = None) -> None:
+    """A 400 before any tokenization when `chars` of content cannot fit the context."""
+    least = chars // state.renderer.max_token_bytes
+    max_context = state.engine.max_context
+    if least >= max_context:
+        size = (f"a {body_bytes}-byte request body" if body_bytes is not None
+                else f"{chars} characters")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_context} tokens, but the {param} "
+            f"take at least {least} tokens ({size}). Shorten them.",
+            code="context_length_exceeded",
+            param=param,
+        )
+
+
+async def off_loop(chars: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)`, in a worker thread when the content is big (rendering and
+    tokenizing a long prompt takes seconds, and every other session would wait)."""
+    if chars > OFF_LOOP_CHARS:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
 
 
 def check_model(state: ProxyState, name: str) -> None:

@@ -16,6 +16,7 @@ the exception: there the client renders its own template, special tokens include
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from agentrl.models.vision import ImageError, VisionProcessor
 from agentrl.types import Image
 from servers.deps import Tokenizer
 from servers.errors import APIError
-from servers.protocol import ChatMessage, ToolCallIn, ToolDef
+from servers.protocol import ChatMessage, TextPart, ToolCallIn, ToolDef
 
 if TYPE_CHECKING:
     Message = dict[str, object]
@@ -83,6 +84,15 @@ class ChatRenderer:
         self.supports_parts = self._probe(
             [{"role": "user", "content": [{"type": "text", "text": _PROBE}]}]
         )
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """Most UTF-8 bytes one token can stand for (a bound: a text of B bytes takes at least
+        B / this many tokens), so a prompt far over the context is refused untokenized."""
+        longest = max(map(len, self.tokenizer.get_vocab()), default=1)
+        decoder = getattr(getattr(self.tokenizer, "backend_tokenizer", None), "decoder", None)
+        # Byte-level BPE spells each byte as one character; otherwise allow 4 bytes a char.
+        return longest if type(decoder).__name__ == "ByteLevel" else 4 * longest
 
     def _probe(self, messages: list[dict], tools: list[dict] | None = None) -> bool:
         try:
@@ -182,6 +192,24 @@ class ChatRenderer:
             content = ""
         out["content"] = content
         return out
+
+
+def message_chars(messages: Sequence[ChatMessage], tools: Sequence[ToolDef] | None) -> int:
+    """Characters of content in a request (text, names, tool calls, tool schemas): with
+    `ChatRenderer.max_token_bytes`, a lower bound on its tokens that costs no tokenization."""
+    total = 0
+    for m in messages:
+        if isinstance(m.content, str):
+            total += len(m.content)
+        elif m.content is not None:
+            total += sum(len(p.text) for p in m.content if isinstance(p, TextPart))
+        for call in m.tool_calls or ():
+            args = call.function.arguments
+            total += len(call.function.name) + len(args if isinstance(args, str) else
+                                                   json.dumps(args))
+    for t in tools or ():
+        total += len(t.function.description or "") + len(json.dumps(t.function.parameters or {}))
+    return total
 
 
 def _call_dict(call: ToolCallIn) -> dict:

@@ -1,8 +1,10 @@
-"""Run an app with uvicorn on a loopback port in a background thread (tests, helpers)."""
+"""Run an app with uvicorn on a loopback port in a background thread (tests, helpers), and
+prepare a serving process's memory (`freeze_startup_objects`)."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import time
 from collections.abc import Iterator
@@ -37,3 +39,14 @@ def serve_in_thread(app: FastAPI, *, host: str = LOOPBACK, port: int = 0) -> Ite
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def freeze_startup_objects() -> int:
+    """Move every object alive now (the model, the tokenizer, imported modules: millions) out
+    of the garbage collector's sight, so its full collections scan only what requests create.
+    Without it a full collection in `agentrl serve` paused the event loop for ~200 ms now and
+    then, which every in-flight request waited out. Call once, after loading, before serving;
+    returns how many objects were frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

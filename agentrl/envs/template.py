@@ -136,7 +136,7 @@ class PlainContent:
     def _encode(self, text: str) -> list[int]:
         # The Rust tokenizer directly where there is one: the Python wrapper costs ~0.2 ms.
         if self._backend is not None:
-            return list(self._backend.encode(text, add_special_tokens=False).ids)
+            return _rust_ids(self._backend, text)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _encode_marked(self, text: str, table: list[str]) -> list[int]:
@@ -148,7 +148,7 @@ class PlainContent:
         if self._backend is None:
             return list(self.tokenizer.encode(restored, add_special_tokens=False,
                                               split_special_tokens=True))
-        return list(self._plain().encode(restored, add_special_tokens=False).ids)
+        return _rust_ids(self._plain(), restored)
 
     def _plain(self) -> Any:
         """A copy of the Rust tokenizer that reads special-token spellings as text (a copy,
@@ -161,6 +161,18 @@ class PlainContent:
                 plain.encode_special_tokens = True
                 self._plain_backend = plain
             return self._plain_backend
+
+
+_GIL_FREE_CHARS = 1 << 14
+
+
+def _rust_ids(backend: Any, text: str) -> list[int]:
+    """Ids from a Rust tokenizer. A long text goes through `encode_batch`, which lets go of
+    the GIL while it works (`encode` holds it: 150 ms for 360 KB, during which a server's event
+    loop, in another thread, could not run); the ids are the same."""
+    if len(text) > _GIL_FREE_CHARS:
+        return list(backend.encode_batch([text], add_special_tokens=False)[0].ids)
+    return list(backend.encode(text, add_special_tokens=False).ids)
 
 
 _plain_cache: weakref.WeakKeyDictionary[Any, PlainContent] = weakref.WeakKeyDictionary()

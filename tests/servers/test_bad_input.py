@@ -162,3 +162,85 @@ def test_sessions_list_is_paged(proxy):
     r = httpx.get(f"{proxy.url}/sessions", params={"after": "nope"})
     assert r.status_code == 400 and "last_id of the previous page" in r.json()["error"]["message"]
     assert httpx.get(f"{proxy.url}/sessions", params={"limit": 0}).status_code == 400
+
+
+def test_a_prompt_far_over_the_context_is_refused_untokenized(make_proxy, tok, monkeypatch):
+    """#17 item 2: a 30 MB message (under the body limit) was tokenized on the event loop for
+    ~30 s, 13M tokens counted only to be refused, the server keeping the 2.5 GB it grew by."""
+    p = make_proxy()
+    calls = []
+    from servers.render import ChatRenderer
+
+    real = ChatRenderer.render_chat
+    monkeypatch.setattr(ChatRenderer, "render_chat",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    huge = {**OK, "messages": [{"role": "user", "content": "lorem ipsum " * 2_500_000}]}
+    start = time.monotonic()
+    r = httpx.post(f"{p.url}/sessions/big/v1/chat/completions", json=huge, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "maximum context length is 2048 tokens" in r.json()["error"]["message"]
+    assert calls == [] and p.engine.requests == []  # refused before rendering or tokenizing
+    assert time.monotonic() - start < 5
+    # Over the context but under the bound (the tiny vocabulary's longest token is 13
+    # characters): tokenized, then refused the same way.
+    medium = {**OK, "messages": [{"role": "user", "content": "lorem ipsum " * 1700}]}
+    r = httpx.post(f"{p.url}/sessions/big/v1/chat/completions", json=medium)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert calls == [1] and p.engine.requests == []
+    assert httpx.post(f"{p.url}/sessions/big/v1/chat/completions", json=OK).status_code == 200
+
+
+def test_big_prompts_are_rendered_off_the_event_loop(make_proxy, tok, monkeypatch):
+    import threading
+
+    from servers.render import ChatRenderer
+
+    p = make_proxy(FakeEngine(tok, max_context=1_000_000))
+    threads = []
+    real = ChatRenderer.render_chat
+
+    def spy(self, *a, **k):
+        threads.append(threading.current_thread().name)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(ChatRenderer, "render_chat", spy)
+    small = httpx.post(f"{p.url}/v1/chat/completions", json=OK)
+    big = {**OK, "messages": [{"role": "user", "content": "x " * 50_000}]}
+    httpx.post(f"{p.url}/v1/chat/completions", json=big)
+    assert small.status_code == 200 and len(threads) == 2
+    loop_thread = threads[0]  # a small prompt is rendered in place, on the loop's thread
+    assert threads[1] != loop_thread
+
+
+def test_long_text_is_tokenized_without_holding_the_gil(embedded_tokenizer):
+    """The Rust tokenizer's `encode` holds the GIL (150 ms for 360 KB); long texts go through
+    `encode_batch`, which releases it, for the same ids."""
+    import threading
+
+    from agentrl.envs.template import plain_content
+
+    text = "lorem ipsum " * 30_000
+    start = time.perf_counter()
+    ids = embedded_tokenizer.encode(text, add_special_tokens=False)  # holds the GIL
+    held = time.perf_counter() - start
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        got = [plain_content(embedded_tokenizer).encode(text) for _ in range(3)]
+    finally:
+        done.set()
+        ticker.join()
+    assert all(g == ids for g in got)
+    # Held, the ticker would wait out whole encodes; released, it ticks on.
+    assert max(gaps) < held / 2, (max(gaps), held)
