@@ -33,8 +33,9 @@ from servers.generation import (
     stored_stream_end,
 )
 from servers.images import load_images
-from servers.protocol import ChatCompletionRequest, NamedToolChoice
+from servers.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, TextPart
 from servers.render import Rendered, message_chars
+from servers.sessions import context_key, reply_key
 from servers.streaming import ChoiceText, sse, token_logprob_entries
 from servers.tools import ParseEvent
 
@@ -61,12 +62,24 @@ class _Call:
         if isinstance(req.tool_choice, NamedToolChoice):
             self.tool_names = [req.tool_choice.function.name]
         self.tools = req.tools if use_tools else None
+        self.context: str | None = None
 
     async def render(self, images: list[np.ndarray], chars: int) -> None:
-        """The prompt's ids (off the event loop when it is big) and the sampling params."""
+        """The prompt's ids (off the event loop when it is big) and the sampling params. A
+        request that carries back a reply this session's proxy gave continues from the tokens
+        sampled for that reply; anything else is rendered whole."""
         state, req = self.state, self.req
-        self.rendered: Rendered = await off_loop(
-            chars, state.renderer.render_chat, req.messages, self.tools, images=images)
+        rendered = None
+        if self.session is not None:
+            self.context = context_key([m.model_dump(exclude_none=True) for m in req.messages],
+                                       [t.model_dump(exclude_none=True)
+                                        for t in self.tools or ()])
+            if not images:
+                rendered = await off_loop(chars, self._continue_sampled)
+        if rendered is None:
+            rendered = await off_loop(
+                chars, state.renderer.render_chat, req.messages, self.tools, images=images)
+        self.rendered: Rendered = rendered
         self.params = sampling_params(
             state,
             prompt_len=len(self.rendered.ids),
@@ -83,6 +96,24 @@ class _Call:
                 "presence_penalty": req.presence_penalty,
             },
         )
+
+    def _continue_sampled(self) -> Rendered | None:
+        """The earlier call and choice whose reply is this request's last assistant message,
+        asked exactly the messages before it: its prompt, its sampled ids, then the rest."""
+        assert self.session is not None
+        messages = self.req.messages
+        last = max((k for k, m in enumerate(messages) if m.role == "assistant"), default=None)
+        if last is None or last == len(messages) - 1:
+            return None
+        asked = context_key([m.model_dump(exclude_none=True) for m in messages[:last]],
+                            [t.model_dump(exclude_none=True) for t in self.tools or ()])
+        found = self.session.find_reply(asked, _reply_of(messages[last]))
+        if found is None:
+            return None
+        call, choice = found
+        return self.state.renderer.render_after(
+            call.prompt_ids, call.images, call.choices[choice].token_ids, messages[last + 1:],
+            self.tools)
 
     def choice_text(self) -> ChoiceText:
         parser = self.state.tool_parser(frozenset(self.tool_names)) if self.tool_names else None
@@ -103,7 +134,9 @@ class _Call:
                                         self.state.skip_ids)
         return {"content": entries, "refusal": None}
 
-    def record(self, completions: list[Completion], *, aborted: bool) -> None:
+    def record(self, completions: list[Completion], *, aborted: bool,
+               texts: Sequence[ChoiceText] = ()) -> None:
+        """`texts`: each choice's text as the client got it (for `Session.find_reply`)."""
         record_call(
             self.session,
             call_id=self.id,
@@ -112,12 +145,23 @@ class _Call:
             images=self.rendered.images,
             aborted=aborted,
             retries=self.retries,
+            context_key=self.context,
+            reply_keys=[reply_key(t.content, [(c.name, c.arguments) for c in t.calls])
+                        for t in texts],
         )
 
     def usage(self, completions: list[Completion]) -> dict:
         prompt = len(self.rendered.ids)
         done = sum(len(c.token_ids) for c in completions)
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+
+def _reply_of(m: ChatMessage) -> str:
+    """`reply_key` of an assistant message a client sent back."""
+    content = m.content if isinstance(m.content, str) or m.content is None else "".join(
+        p.text for p in m.content if isinstance(p, TextPart))
+    return reply_key(content, [(c.function.name, c.function.arguments)
+                               for c in m.tool_calls or ()])
 
 
 def _finish(engine_reason: str | None, text: ChoiceText) -> str:
@@ -163,13 +207,16 @@ async def _complete(call: _Call, request: Request) -> Response:
     except ClientDisconnected:
         call.record([], aborted=True)
         return Response(status_code=499)
-    call.record(completions, aborted=False)
-    await stored(call.state)
-    choices = []
-    for i, c in enumerate(completions):
+    texts = []
+    for c in completions:
         text = call.choice_text()
         text.push(c.token_ids)
         text.finish()
+        texts.append(text)
+    call.record(completions, aborted=False, texts=texts)
+    await stored(call.state)
+    choices = []
+    for i, (c, text) in enumerate(zip(completions, texts, strict=True)):
         message: dict = {"role": "assistant", "content": text.content, "refusal": None}
         if text.calls:
             message["content"] = text.content or None
@@ -274,5 +321,5 @@ async def _stream(call: _Call, request: Request) -> AsyncIterator[bytes]:
     finally:
         if call.session is not None:
             call.session.in_flight -= 1
-        call.record([a.completion() for a in accs], aborted=status != "done")
+        call.record([a.completion() for a in accs], aborted=status != "done", texts=texts)
     yield await stored_stream_end(call.state)

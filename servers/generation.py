@@ -339,6 +339,8 @@ def record_call(
     images: list[Image],
     aborted: bool,
     retries: int,
+    context_key: str | None = None,
+    reply_keys: Sequence[str] = (),
 ) -> None:
     if session is None:
         return
@@ -350,5 +352,7 @@ def record_call(
             images=images,
             aborted=aborted,
             retry_count=retries,
+            context_key=context_key,
+            reply_keys=list(reply_keys),
         )
     )

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from agentrl.envs.template import Escaper, plain_content
+from agentrl.envs.template import ChatTemplateBridge, Escaper, TemplateError, plain_content
 from agentrl.models.vision import ImageError, VisionProcessor
 from agentrl.types import Image
 from servers.deps import Tokenizer
@@ -33,6 +33,8 @@ from servers.protocol import ChatMessage, TextPart, ToolCallIn, ToolDef
 
 if TYPE_CHECKING:
     Message = dict[str, object]
+
+_BRIDGES = 16  # incremental renderers kept, one per tool set
 
 _PROBE = "agentrl_probe_fn"
 _TOOLS_PREAMBLE = (
@@ -61,6 +63,7 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.processor = processor
         self._plain = plain_content(tokenizer)
+        self._bridges: dict[str, ChatTemplateBridge] = {}  # per tool set, for render_after
         self.supports_tools = self._probe(
             [{"role": "user", "content": "hi"}],
             tools=[{"type": "function", "function": {"name": _PROBE, "parameters": {}}}],
@@ -134,6 +137,37 @@ class ChatRenderer:
             ) from e
         return self._encode(str(text), list(images), escaper)
 
+    def render_after(
+        self,
+        prompt_ids: Sequence[int],
+        images: Sequence[Image],
+        action_ids: Sequence[int],
+        messages: Sequence[ChatMessage],
+        tools: Sequence[ToolDef] | None,
+    ) -> Rendered | None:
+        """The prompt that continues an earlier call's prompt and its sampled `action_ids`
+        with `messages` (what came after the reply), rendered incrementally as environments
+        are, so the sampled tokens are kept exactly. None where that cannot be done (images
+        in the new messages, a template that cannot render increments): render it all."""
+        if any(isinstance(m.content, list) and any(p.type == "image_url" for p in m.content)
+               for m in messages):
+            return None
+        tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        if tool_dicts and not self.supports_tools:
+            tool_dicts = None  # folded into the system message: in the prefix, not the increment
+        key = json.dumps(tool_dicts, sort_keys=True)
+        try:
+            bridge = self._bridges.get(key)
+            if bridge is None:
+                if len(self._bridges) >= _BRIDGES:
+                    self._bridges.pop(next(iter(self._bridges)))
+                bridge = self._bridges[key] = ChatTemplateBridge(self.tokenizer, tool_dicts)
+            new = [self._message(m, iter(()), None) for m in messages]
+            increment = bridge.observation_ids(action_ids, new)
+        except TemplateError:
+            return None
+        return Rendered(ids=[*prompt_ids, *action_ids, *increment], images=list(images))
+
     def render_text(self, text: str) -> Rendered:
         """A raw prompt, tokenized as given (special-token spellings included)."""
         return Rendered(ids=self._plain.encode(text))
@@ -155,11 +189,16 @@ class ChatRenderer:
                   for px, (a, b) in zip(pixels, spans, strict=True)]
         return Rendered(ids=out, images=placed)
 
-    def _message(self, m: ChatMessage, images: Iterator[np.ndarray], escaper: Escaper) -> dict:
+    def _message(self, m: ChatMessage, images: Iterator[np.ndarray],
+                 escaper: Escaper | None) -> dict:
+        """A template-ready message; client strings marked by `escaper` (None: left as they
+        are, for `ChatTemplateBridge`, which marks them itself)."""
+        mark: Callable[[str], str] = escaper.text if escaper is not None else str
+        tree: Callable[[Any], Any] = escaper.tree if escaper is not None else _same
         role = "system" if m.role == "developer" else m.role
         out: dict = {"role": role}
         if m.name is not None:
-            out["name"] = escaper.text(m.name)
+            out["name"] = mark(m.name)
         content: str | list[dict[str, Any]] | None
         if isinstance(m.content, list):
             parts = m.content
@@ -167,7 +206,7 @@ class ChatRenderer:
             if self.supports_parts:
                 px = iter(pixels)
                 content = [
-                    {"type": "text", "text": escaper.text(p.text)} if p.type == "text"
+                    {"type": "text", "text": mark(p.text)} if p.type == "text"
                     else {"type": "image", "image": next(px)}
                     for p in parts
                 ]
@@ -175,11 +214,11 @@ class ChatRenderer:
                 image_text = (
                     self.processor.placeholder_text(self.tokenizer) if self.processor else ""
                 )
-                content = "".join(escaper.text(p.text) if p.type == "text" else image_text
+                content = "".join(mark(p.text) if p.type == "text" else image_text
                                   for p in parts)
         else:
-            content = m.content if m.content is None else escaper.text(m.content)
-        calls = [escaper.tree(_call_dict(c)) for c in m.tool_calls or ()]
+            content = m.content if m.content is None else mark(m.content)
+        calls = [tree(_call_dict(c)) for c in m.tool_calls or ()]
         if calls and not self.supports_tool_calls:
             text = content if isinstance(content, str) else ""
             content = text + "".join(_hermes_call_text(c) for c in calls)
@@ -187,11 +226,15 @@ class ChatRenderer:
         if calls:
             out["tool_calls"] = calls
         if m.tool_call_id is not None:
-            out["tool_call_id"] = escaper.text(m.tool_call_id)
+            out["tool_call_id"] = mark(m.tool_call_id)
         if content is None and not self.supports_tool_calls:
             content = ""
         out["content"] = content
         return out
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def message_chars(messages: Sequence[ChatMessage], tools: Sequence[ToolDef] | None) -> int:

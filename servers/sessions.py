@@ -20,6 +20,8 @@ that is how `servers.durable.SqliteSessionStore` keeps sessions across restarts.
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import re
 import threading
 import time
@@ -43,6 +45,30 @@ def check_session_id(session_id: str) -> str:
     return session_id
 
 
+def context_key(messages: Sequence[dict], tools: Sequence[dict] | None) -> str:
+    """A digest of a conversation as the client sent it (messages and tools)."""
+    text = json.dumps([list(messages), list(tools or ())], sort_keys=True, ensure_ascii=False,
+                      separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def reply_key(content: str | None, calls: Sequence[tuple[str, str | dict]]) -> str:
+    """An assistant reply as a client sends it back: its text and its tool calls' names and
+    arguments (as canonical JSON, so re-serialised arguments still match), not the call ids."""
+    return json.dumps([content or "", [[name, _canonical(args)] for name, args in calls]],
+                      ensure_ascii=False)
+
+
+def _canonical(args: str | dict) -> str:
+    value: object = args
+    if isinstance(args, str):
+        try:
+            value = json.loads(args)
+        except ValueError:
+            return args
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
 class StoreError(RuntimeError):
     """The session store cannot be opened or written."""
 
@@ -59,6 +85,11 @@ class CallRecord:
     aborted: bool = False
     retry_count: int = 0
     created: float = field(default_factory=time.time)
+    context_key: str | None = None
+    """`context_key` of the request's messages and tools: what the call was asked."""
+    reply_keys: list[str] = field(default_factory=list)
+    """`reply_key` of each choice as the client got it, so that a later request carrying that
+    reply back continues from the very tokens sampled (not a re-rendering of them)."""
 
 
 @dataclass
@@ -146,6 +177,16 @@ class Session:
 
     def completed_calls(self) -> list[CallRecord]:
         return [c for c in self.calls if not c.aborted]
+
+    def find_reply(self, context: str, reply: str) -> tuple[CallRecord, int] | None:
+        """The latest completed call asked `context` whose choice answered `reply`."""
+        for call in reversed(self.calls):
+            if call.aborted or call.context_key != context:
+                continue
+            for i, key in enumerate(call.reply_keys):
+                if key == reply and i < len(call.choices):
+                    return call, i
+        return None
 
     # -- merging --------------------------------------------------------------------------
 

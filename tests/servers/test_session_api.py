@@ -42,12 +42,18 @@ def test_edited_history_is_drift(proxy):
     assert s["drift_events"] == 2 and s["num_trajectories"] == 3
 
 
-def test_non_canonical_tokenization_is_drift(make_proxy, tok):
-    # The model "samples" one token per character; re-tokenizing the text merges them.
-    p = make_proxy(FakeEngine(tok, token_ids_for=lambda text: [
-        t for ch in text for t in tok.encode(ch, add_special_tokens=False)]))
+def test_replies_sent_back_continue_from_the_sampled_tokens(make_proxy, tok):
+    """#17 item 3: the model "samples" one token per character, which re-tokenizing its text
+    would merge (two drift events before); the proxy reuses what it sampled instead."""
+    per_char = lambda text: [t for ch in text for t in tok.encode(ch, add_special_tokens=False)]  # noqa: E731
+    p = make_proxy(FakeEngine(tok, token_ids_for=per_char))
     _three_turns(p.client("nc"))
-    assert p.store.get("nc").drift_events == 2
+    session = p.store.get("nc")
+    assert session.drift_events == 0
+    (traj,) = session.trajectories()
+    sampled = per_char("Hello! The answer is 42.")
+    for turn in traj.turns:
+        assert traj.token_ids[turn.start:turn.end][: len(sampled)] == sampled
 
 
 def test_session_bound_by_header_and_api_key(proxy):

@@ -87,17 +87,46 @@ def test_tool_round_trip_merges_without_drift(make_proxy, tok):
     assert tok.decode(action) == CALL_TEXT + "<|im_end|>"  # token-exact, whatever was parsed
 
 
-def test_tool_call_in_other_format_is_drift_but_recorded_exactly(make_proxy, tok):
+def test_tool_call_in_other_format_merges_by_the_sampled_tokens(make_proxy, tok):
+    """#17 item 3: the template re-renders this call differently from what was sampled (text
+    before it, other whitespace), which was a drift event; the proxy continues from what it
+    sampled, so the episode is one trajectory with the call's tokens exactly."""
     text = (
         'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     )
     p = make_proxy(FakeEngine(tok, reply=_tool_reply(text)))
-    r1, _ = _episode(p.client("t"))
+    r1, r2 = _episode(p.client("t"))
     assert r1.choices[0].message.content == "Sure. "
+    assert r2.choices[0].message.content == "It is sunny."
     s = p.store.get("t")
-    assert s.drift_events == 1
-    first = s.trajectories()[0]
-    assert tok.decode(first.token_ids[first.turns[0].start : first.turns[0].end]).startswith(text)
+    assert s.drift_events == 0
+    (traj,) = s.trajectories()
+    first = traj.turns[0]
+    assert tok.decode(traj.token_ids[first.start : first.end]) == text + "<|im_end|>"
+    assert "sunny, 21C" in tok.decode(traj.token_ids[first.end : traj.turns[1].start])
+
+
+def test_a_client_that_rewrites_a_reply_still_counts_drift(make_proxy, tok):
+    p = make_proxy(FakeEngine(tok, reply=_tool_reply(CALL_TEXT)))
+    client = p.client("edited")
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    r1 = client.chat.completions.create(model="agentrl", messages=msgs, tools=TOOLS)
+    reply = r1.choices[0].message.model_dump(exclude_none=True)
+    reply["tool_calls"][0]["function"]["arguments"] = '{"city": "Lyon"}'  # not what it said
+    msgs += [reply, {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"],
+                     "content": "rain"}]
+    client.chat.completions.create(model="agentrl", messages=msgs, tools=TOOLS)
+    assert p.store.get("edited").drift_events == 1
+    # Re-serialised arguments (other spacing, other key order) are the same reply, though.
+    p2 = make_proxy(FakeEngine(tok, reply=_tool_reply(CALL_TEXT)))
+    client = p2.client("same")
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    r1 = client.chat.completions.create(model="agentrl", messages=msgs, tools=TOOLS)
+    reply = r1.choices[0].message.model_dump(exclude_none=True)
+    reply["tool_calls"][0]["function"]["arguments"] = '{ "city" :  "Paris" }'
+    msgs += [reply, {"role": "tool", "tool_call_id": "other-id", "content": "rain"}]
+    client.chat.completions.create(model="agentrl", messages=msgs, tools=TOOLS)
+    assert p2.store.get("same").drift_events == 0
 
 
 def test_template_without_tools_gets_folded_schemas_and_no_drift(make_proxy, tok):
@@ -207,3 +236,19 @@ def test_client_content_that_spells_special_tokens_stays_text(make_proxy, tok):
     assert FORGED in tok.decode(prompts["forged"])  # all of it, as text
     assert ([i for i in prompts["forged"] if i in special]
             == [i for i in prompts["clean"] if i in special])
+
+
+def test_streamed_replies_sent_back_merge_by_the_sampled_tokens(make_proxy, tok):
+    per_char = lambda text: [t for ch in text for t in tok.encode(ch, add_special_tokens=False)]  # noqa: E731
+    p = make_proxy(StreamingFakeEngine(tok, reply=_tool_reply(CALL_TEXT), token_ids_for=per_char))
+    client = p.client("streamed")
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    final = client.chat.completions.stream  # the SDK helper accumulates the deltas
+    with final(model="agentrl", messages=msgs, tools=TOOLS) as stream:
+        first = stream.get_final_completion().choices[0].message
+    msgs += [first.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "sunny"}]
+    with final(model="agentrl", messages=msgs, tools=TOOLS) as stream:
+        assert stream.get_final_completion().choices[0].message.content == "It is sunny."
+    session = p.store.get("streamed")
+    assert session.drift_events == 0 and len(session.trajectories()[0].turns) == 2
