@@ -18,25 +18,12 @@ FAST = SandboxConfig(timeout_s=2.0, memory_mb=256, max_processes=32, max_output_
 
 def descendants(root: int) -> set[int]:
     """Every live process below `root` (zombies included): sandboxes must leave none."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found: set[int] = set()
-    stack = [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            if child not in found:
-                found.add(child)
-                stack.append(child)
-    return found
+    import psutil
 
+    try:
+        return {p.pid for p in psutil.Process(root).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
 
 def leftover_cgroups() -> list[str]:
     """This test process's per-execution cgroups that still exist."""
