@@ -60,6 +60,12 @@ register(
     aliases=("math",),
 )
 register(
+    "agentrl/SingleTurn-v0",
+    "agentrl.envs.reward:SingleTurnEnv",
+    summary="Single-turn RL from a dataset file and a reward function (--dataset, --reward_fn).",
+    aliases=("single-turn",),
+)
+register(
     "agentrl/ScreenClick-v0",
     "environments.screenshot.click:ScreenClickEnv",
     summary="Screenshots (VLM): click the red square on 3 screens; image-blind ceiling 1/16.",

@@ -3,6 +3,7 @@
     agentrl train --env math-tir
     agentrl train --env digits --algo.estimator rloo --actor.lr 1e-3 --steps 50
     agentrl train --config runs/x/config.json --resume auto
+    agentrl train --dataset data.jsonl --reward_fn rewards.py:score
 
 Order of precedence: flags > --config file > the env's preset > defaults. Every check runs
 before a model is loaded; the resolved config is saved as run_dir/config.json.
@@ -20,6 +21,7 @@ from trainers.presets import preset_for
 
 
 def build_config(argv: list[str]) -> TrainConfig:
+    argv = _dataset_shorthand(argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--env", default=None)
     pre.add_argument("--config", default=None)
@@ -30,15 +32,16 @@ def build_config(argv: list[str]) -> TrainConfig:
         if not path.is_file():
             raise ValueError(f"--config {path} does not exist")
         file_cfg = json.loads(path.read_text())
-    env = known.env or file_cfg.get("env") or TrainConfig().env
-    base = config_from_dict(file_cfg, preset_for(env))
+    dataset = any(a == "--dataset.path" or a.startswith("--dataset.path=") for a in argv)
+    env = known.env or file_cfg.get("env") or ("single-turn" if dataset else TrainConfig().env)
     rest = _bool_values(_drop_flag(argv, "--config"))
 
     import tyro
 
     from trainers.config import deferred_validation, validate
 
-    with deferred_validation():
+    with deferred_validation():  # checked once, with the flags applied
+        base = config_from_dict(file_cfg, preset_for(env))
         cfg = tyro.cli(
             TrainConfig,
             default=base,
@@ -49,6 +52,19 @@ def build_config(argv: list[str]) -> TrainConfig:
             use_underscores=True,
         )
     return validate(cfg)
+
+
+def _dataset_shorthand(argv: list[str]) -> list[str]:
+    """`--dataset PATH` (or `--dataset=PATH`) is `--dataset.path PATH`; with it and no --env,
+    the run is the single-turn env's."""
+    out = []
+    for a in argv:
+        if a == "--dataset":
+            a = "--dataset.path"
+        elif a.startswith("--dataset="):
+            a = "--dataset.path=" + a.partition("=")[2]
+        out.append(a)
+    return out
 
 
 def _bool_flags(cls: type, prefix: str = "--") -> set[str]:

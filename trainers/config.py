@@ -250,6 +250,26 @@ class RayConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DatasetConfig:
+    """Single-turn RL from a prompt file (`--dataset data.jsonl --reward_fn rewards.py:score`):
+    each row's prompt is rendered by the chat template, one response sampled and scored."""
+
+    path: str | None = None
+    """A .jsonl (or .json list) of rows; `--dataset PATH` is short for --dataset.path PATH."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a string (a user message) or a list of chat messages."""
+    label_key: str = "label"
+    """Column passed to the reward function as `label` (None where a row has none)."""
+    eval_path: str | None = None
+    """Held-out rows for the evaluations (default: the training file)."""
+    system_prompt: str | None = None
+    """A system message put before string prompts."""
+
+
+SINGLE_TURN_ENVS = ("single-turn", "agentrl/SingleTurn-v0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """One RL run."""
 
@@ -270,6 +290,11 @@ class TrainConfig:
     """JSON-lines file of tasks (one JSON value per line) for --agent."""
     agent_reward: str | None = None
     """"module:function" scoring reward(task, agent_result) -> float, for --agent."""
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    reward_fn: str | None = None
+    """With --dataset: `file.py:fn` or `package.module:fn` scoring fn(prompt, response, label)
+    -> float (or {"reward": float, ...}), or a bare `file.py` defining OpenRLHF's batched
+    reward_func(queries, prompts, labels)."""
     actor: ActorConfig = field(default_factory=ActorConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -405,6 +430,39 @@ class TrainConfig:
             raise ValueError("--num_policy_workers > 1 needs --backend fsdp2 or deepspeed")
         if self.agent and not (self.agent_tasks and self.agent_reward):
             raise ValueError("--agent needs --agent_tasks FILE.jsonl and --agent_reward module:fn")
+        self._check_dataset()
+
+    def _check_dataset(self) -> None:
+        """--dataset and --reward_fn go together, with the single-turn env; the file, its
+        prompt column and the reward function are checked here, before any model loads."""
+        single = self.env in SINGLE_TURN_ENVS
+        if not (single or self.dataset.path or self.reward_fn):
+            return
+        if not (self.dataset.path and self.reward_fn):
+            raise ValueError("single-turn RL needs both --dataset data.jsonl and --reward_fn "
+                             "rewards.py:score (or a bare rewards.py with OpenRLHF's "
+                             "reward_func(queries, prompts, labels))")
+        if not single:
+            raise ValueError(f"--dataset trains the single-turn env, but --env is {self.env}; "
+                             f"drop --env (or pass --env single-turn)")
+        from agentrl.envs.reward import load_rows, reward_fn_from_spec
+
+        for path in filter(None, (self.dataset.path, self.dataset.eval_path)):
+            rows = load_rows(path)
+            if not rows:
+                raise ValueError(f"--dataset {path} holds no rows")
+            if self.dataset.prompt_key not in rows[0]:
+                raise ValueError(f"{path}: rows have no {self.dataset.prompt_key!r} column "
+                                 f"(columns: {sorted(rows[0])}); name the prompt column with "
+                                 f"--dataset.prompt_key")
+        reward_fn_from_spec(self.reward_fn)
+
+    def single_turn_kwargs(self, *, eval_split: bool) -> dict[str, object]:
+        """The single-turn env's arguments (`agentrl.envs.reward.SingleTurnEnv`)."""
+        d = self.dataset
+        path = d.eval_path if eval_split and d.eval_path else d.path
+        return {"dataset": path, "reward_fn": self.reward_fn, "prompt_key": d.prompt_key,
+                "label_key": d.label_key, "system_prompt": d.system_prompt}
 
     @property
     def rollout_batch_size(self) -> int:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from agentrl.plugins import load_callable
 from agentrl.types import SamplingParams, Trajectory
 from trainers.config import TrainConfig
 
@@ -45,6 +46,8 @@ def env_factory(cfg: TrainConfig, tokenizer: Any, *, eval_split: bool = False) -
 
     env_id = resolve_env_id(cfg.env)
     kwargs: dict[str, Any] = dict(cfg.env_kwargs)
+    if cfg.dataset.path:
+        kwargs.update(cfg.single_turn_kwargs(eval_split=eval_split))
     if eval_split:
         kwargs.update(cfg.eval_env_kwargs)
     # The rollout loop enforces the run's turn and token budgets. An env whose own task rule
@@ -144,19 +147,6 @@ def _warn_unused_budgets(cfg: TrainConfig) -> None:
         "--agent runs its own loop through the proxy (limit its turns in the agent, its tokens "
         "per call with max_tokens)"
     )
-
-
-def load_callable(spec: str | None) -> Callable[..., Any]:
-    import importlib
-
-    module, _, attr = (spec or "").partition(":")
-    if not module or not attr:
-        raise ValueError(f"expected 'package.module:function', got {spec!r}")
-    fn = getattr(importlib.import_module(module), attr, None)
-    if not callable(fn):
-        # ValueError, not TypeError: a bad --agent.fn value, which the CLI reports as such.
-        raise ValueError(f"{spec!r} is not a callable")  # noqa: TRY004
-    return fn
 
 
 def load_tasks(path: str | None) -> list[Any]:

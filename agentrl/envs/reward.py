@@ -4,12 +4,12 @@
                     reward_fn=lambda prompt, response, label: float(label in response))
 
 OpenRLHF-style reward files (`reward_func(queries, prompts, labels)`) load with
-`load_reward_func(path)`.
+`load_reward_func(path)`. `SingleTurnEnv` ("agentrl/SingleTurn-v0", `agentrl train --dataset
+data.jsonl --reward_fn rewards.py:score`) is the same env built from a file and a spec string.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -20,6 +20,7 @@ import numpy as np
 
 from agentrl.envs.chat import ChatEnv, StepResult
 from agentrl.envs.template import Message
+from agentrl.plugins import load_callable, load_module_file
 
 RewardFn = Callable[[str, str, Any], "float | dict[str, Any]"]
 
@@ -130,10 +131,7 @@ def load_reward_func(path: str | Path) -> RewardFn:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"reward file {str(path)!r} does not exist")
-    spec = importlib.util.spec_from_file_location(f"agentrl_reward_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_module_file(path)
     func = getattr(module, "reward_func", None)
     if not callable(func):
         # ValueError, not TypeError: a bad reward file, which the CLIs report as a bad value.
@@ -177,3 +175,30 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
     if not all(isinstance(r, dict) for r in rows):
         raise ValueError(f"{path}: every row must be a JSON object")
     return rows
+
+
+def reward_fn_from_spec(spec: str) -> RewardFn:
+    """`--reward_fn`: `file.py:fn` or `package.module:fn` scoring `fn(prompt, response, label)`
+    one sample at a time, or a bare `file.py` defining OpenRLHF's batched
+    `reward_func(queries, prompts, labels)`."""
+    if spec.endswith(".py"):
+        return load_reward_func(spec)
+    return load_callable(spec, "reward_fn")
+
+
+class SingleTurnEnv(RewardEnv):
+    """`RewardEnv` from a dataset file and a reward spec (what `agentrl train --dataset ...
+    --reward_fn ...` builds); it pickles by the spec, as user functions may not."""
+
+    def __init__(self, dataset: str, reward_fn: str, *, prompt_key: str = "prompt",
+                 label_key: str = "label", system_prompt: str | None = None) -> None:
+        super().__init__(dataset, reward_fn_from_spec(reward_fn), prompt_key=prompt_key,
+                         label_key=label_key, system_prompt=system_prompt)
+        self.reward_spec = reward_fn
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "reward_fn"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.reward_fn = reward_fn_from_spec(self.reward_spec)

@@ -15,13 +15,28 @@ import agentrl
 IDS = [e.id for e in agentrl.list_envs() if e.id.startswith("agentrl/")]
 
 
+_SINGLE_TURN = {"dataset": [{"prompt": "2+2?", "label": "4"}, {"prompt": "1+2?", "label": "3"}]}
+
+
 def _make(env_id, tok):
+    kwargs = {}
     if env_id.startswith("agentrl/Screen"):  # screenshots need a vision-language model
         from agentrl.models import load_tokenizer
 
         tok = load_tokenizer("tiny-qwen2-vl")
+    if env_id == "agentrl/SingleTurn-v0":  # a dataset file and a reward function file
+        import json
+        import tempfile
+        from pathlib import Path
+
+        d = Path(tempfile.mkdtemp(prefix="agentrl-single-turn-"))
+        (d / "data.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in _SINGLE_TURN["dataset"]))
+        (d / "rewards.py").write_text(
+            "def score(prompt, response, label):\n    return float(label in response)\n")
+        kwargs = {"dataset": str(d / "data.jsonl"), "reward_fn": f"{d / 'rewards.py'}:score"}
     try:
-        return gym.make(env_id, tokenizer=tok)
+        return gym.make(env_id, tokenizer=tok, **kwargs)
     except ModuleNotFoundError as e:  # an env whose module is not in this checkout
         pytest.fail(f"{env_id} is registered but its module is missing: {e}")
 
