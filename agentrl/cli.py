@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("agentrl.rollout.evaluate:main", "evaluate a model on an environment: pass@1, pass@k"),
     "rollout": ("agentrl.rollout.cli:main", "sample trajectories from an env and write JSON lines"),
     "serve": ("servers.cli:main", "serve a model through the recording OpenAI-compatible proxy"),
+    "reward-serve": ("servers.reward_serve:main",
+                     "serve a reward function over HTTP (for agentrl train --reward.url)"),
     "envs": ("agentrl.envs.cli:main", "list registered environments"),
     "plot": ("trainers.plot:main", "plot a run's metrics to PNG curves"),
 }

@@ -38,7 +38,7 @@ def deferred_validation() -> Iterator[None]:
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Run every section's checks (the CLI parses with them deferred)."""
-    for section in (cfg.actor, cfg.algo, cfg.rollout, cfg.ray, cfg):
+    for section in (cfg.actor, cfg.algo, cfg.rollout, cfg.ray, cfg.reward, cfg):
         section.__post_init__()
     return cfg
 
@@ -266,6 +266,29 @@ class DatasetConfig:
     """A system message put before string prompts."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    """A reward service (`agentrl reward-serve`) scoring single-turn episodes over HTTP."""
+
+    url: str | None = None
+    """e.g. http://127.0.0.1:8001/score; instead of --reward_fn."""
+    timeout_s: float = 30.0
+    """Longest wait for one batch's answer."""
+    retries: int = 2
+    """Tries after a timeout or a 5xx; then the batch's episodes are discarded and counted."""
+    max_batch: int = 64
+    """Most episodes scored per request (calls within 10 ms are sent together)."""
+
+    def __post_init__(self) -> None:
+        if _DEFER.get():
+            return
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"--reward.url must be an http(s) URL, got {self.url!r}")
+        if not self.timeout_s > 0 or self.retries < 0 or self.max_batch < 1:
+            raise ValueError("--reward.timeout_s must be > 0, --reward.retries >= 0 and "
+                             "--reward.max_batch >= 1")
+
+
 SINGLE_TURN_ENVS = ("single-turn", "agentrl/SingleTurn-v0")
 
 
@@ -291,6 +314,7 @@ class TrainConfig:
     agent_reward: str | None = None
     """"module:function" scoring reward(task, agent_result) -> float, for --agent."""
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     reward_fn: str | None = None
     """With --dataset: `file.py:fn` or `package.module:fn` scoring fn(prompt, response, label)
     -> float (or {"reward": float, ...}), or a bare `file.py` defining OpenRLHF's batched
@@ -436,12 +460,16 @@ class TrainConfig:
         """--dataset and --reward_fn go together, with the single-turn env; the file, its
         prompt column and the reward function are checked here, before any model loads."""
         single = self.env in SINGLE_TURN_ENVS
-        if not (single or self.dataset.path or self.reward_fn):
+        if not (single or self.dataset.path or self.reward_fn or self.reward.url):
             return
-        if not (self.dataset.path and self.reward_fn):
+        if self.reward_fn and self.reward.url:
+            raise ValueError("pass --reward_fn (a local function) or --reward.url (a reward "
+                             "service), not both")
+        if not (self.dataset.path and (self.reward_fn or self.reward.url)):
             raise ValueError("single-turn RL needs both --dataset data.jsonl and --reward_fn "
                              "rewards.py:score (or a bare rewards.py with OpenRLHF's "
-                             "reward_func(queries, prompts, labels))")
+                             "reward_func(queries, prompts, labels), or --reward.url "
+                             "http://HOST:PORT/score for an `agentrl reward-serve` service)")
         if not single:
             raise ValueError(f"--dataset trains the single-turn env, but --env is {self.env}; "
                              f"drop --env (or pass --env single-turn)")
@@ -455,14 +483,18 @@ class TrainConfig:
                 raise ValueError(f"{path}: rows have no {self.dataset.prompt_key!r} column "
                                  f"(columns: {sorted(rows[0])}); name the prompt column with "
                                  f"--dataset.prompt_key")
-        reward_fn_from_spec(self.reward_fn)
+        if self.reward_fn:
+            reward_fn_from_spec(self.reward_fn)
 
     def single_turn_kwargs(self, *, eval_split: bool) -> dict[str, object]:
         """The single-turn env's arguments (`agentrl.envs.reward.SingleTurnEnv`)."""
-        d = self.dataset
+        d, r = self.dataset, self.reward
         path = d.eval_path if eval_split and d.eval_path else d.path
-        return {"dataset": path, "reward_fn": self.reward_fn, "prompt_key": d.prompt_key,
-                "label_key": d.label_key, "system_prompt": d.system_prompt}
+        remote = ({"timeout_s": r.timeout_s, "retries": r.retries, "max_batch": r.max_batch}
+                  if r.url else {})
+        return {"dataset": path, "reward_fn": r.url or self.reward_fn, "prompt_key": d.prompt_key,
+                "label_key": d.label_key, "system_prompt": d.system_prompt,
+                "reward_options": remote}
 
     @property
     def rollout_batch_size(self) -> int:

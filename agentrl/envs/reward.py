@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -177,13 +179,24 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def reward_fn_from_spec(spec: str) -> RewardFn:
+def reward_fn_from_spec(spec: str, **remote: Any) -> RewardFn:
     """`--reward_fn`: `file.py:fn` or `package.module:fn` scoring `fn(prompt, response, label)`
     one sample at a time, or a bare `file.py` defining OpenRLHF's batched
-    `reward_func(queries, prompts, labels)`."""
+    `reward_func(queries, prompts, labels)`; an http(s) URL is a reward service (`RemoteReward`,
+    with the `remote` options)."""
+    if spec.startswith(("http://", "https://")):
+        key = (spec, tuple(sorted(remote.items())))
+        with _clients_lock:  # one client (one batching queue) per service in a process
+            if key not in _clients:
+                _clients[key] = RemoteReward(spec, **remote)
+            return _clients[key]
     if spec.endswith(".py"):
         return load_reward_func(spec)
     return load_callable(spec, "reward_fn")
+
+
+_clients: dict[tuple[str, tuple[tuple[str, Any], ...]], RemoteReward] = {}
+_clients_lock = threading.Lock()
 
 
 class SingleTurnEnv(RewardEnv):
@@ -191,14 +204,119 @@ class SingleTurnEnv(RewardEnv):
     --reward_fn ...` builds); it pickles by the spec, as user functions may not."""
 
     def __init__(self, dataset: str, reward_fn: str, *, prompt_key: str = "prompt",
-                 label_key: str = "label", system_prompt: str | None = None) -> None:
-        super().__init__(dataset, reward_fn_from_spec(reward_fn), prompt_key=prompt_key,
-                         label_key=label_key, system_prompt=system_prompt)
-        self.reward_spec = reward_fn
+                 label_key: str = "label", system_prompt: str | None = None,
+                 reward_options: dict[str, Any] | None = None) -> None:
+        """`reward_options`: for a reward service URL, `RemoteReward`'s keyword arguments."""
+        self.reward_spec, self.reward_options = reward_fn, dict(reward_options or {})
+        super().__init__(dataset, reward_fn_from_spec(reward_fn, **self.reward_options),
+                         prompt_key=prompt_key, label_key=label_key,
+                         system_prompt=system_prompt)
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "reward_fn"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.reward_fn = reward_fn_from_spec(self.reward_spec)
+        self.reward_fn = reward_fn_from_spec(self.reward_spec, **self.reward_options)
+
+
+class RewardServiceError(RuntimeError):
+    """The reward service did not score a sample: the episode is discarded and counted."""
+
+
+class RemoteReward:
+    """`reward_fn(prompt, response, label)` scored by an HTTP reward service
+    (`agentrl reward-serve`): POST {"items": [{"prompt", "response", "label"}, ...]} ->
+    {"rewards": [...], "infos": [...]}. Calls from concurrent episodes (env steps run in a
+    thread pool) are sent together: up to `max_batch` per request, gathered for `window_s`.
+    A timeout or 5xx is retried `retries` times; then, or on a 4xx or a malformed answer,
+    `RewardServiceError`, which ends that episode as discarded (counted, not a crashed run)."""
+
+    def __init__(self, url: str, *, timeout_s: float = 30.0, retries: int = 2,
+                 max_batch: int = 64, window_s: float = 0.01) -> None:
+        import queue
+        import threading
+
+        self.url, self.timeout_s, self.retries = url, timeout_s, retries
+        self.max_batch, self.window_s = max_batch, window_s
+        self.__qualname__ = f"reward service {url}"  # how errors name it
+        self.requests = 0
+        """HTTP requests sent (batches and retries)."""
+        self._queue: queue.SimpleQueue[tuple[dict[str, Any], Future[dict[str, Any]]]] = (
+            queue.SimpleQueue())
+        self._sender: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, prompt: Any, response: str, label: Any) -> dict[str, Any]:
+        import threading
+
+        done: Future[dict[str, Any]] = Future()
+        self._queue.put(({"prompt": prompt, "response": response, "label": label}, done))
+        with self._lock:
+            if self._sender is None:
+                self._sender = threading.Thread(target=self._send_loop, daemon=True,
+                                                name="agentrl-reward-client")
+                self._sender.start()
+        return done.result()
+
+    def _send_loop(self) -> None:
+        import queue
+        import time
+
+        while True:
+            batch = [self._queue.get()]
+            deadline = time.monotonic() + self.window_s
+            while len(batch) < self.max_batch:
+                try:
+                    batch.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    break
+            try:
+                results = self._post([item for item, _ in batch])
+            except RewardServiceError as e:
+                for _, done in batch:
+                    done.set_exception(e)
+                continue
+            for (_, done), result in zip(batch, results, strict=True):
+                if isinstance(result, RewardServiceError):
+                    done.set_exception(result)
+                else:
+                    done.set_result(result)
+
+    def _post(self, items: list[dict[str, Any]]) -> list[dict[str, Any] | RewardServiceError]:
+        import httpx
+
+        why = ""
+        for attempt in range(self.retries + 1):
+            self.requests += 1
+            try:
+                r = httpx.post(self.url, json={"items": items}, timeout=self.timeout_s)
+            except httpx.HTTPError as e:
+                why = f"{type(e).__name__}: {e}"
+                continue
+            if r.status_code >= 500:
+                why = f"HTTP {r.status_code}: {r.text[:200]}"
+                continue
+            if r.status_code != 200:
+                raise RewardServiceError(f"reward service {self.url} refused the batch: HTTP "
+                                         f"{r.status_code}: {r.text[:300]}")
+            return _results(self.url, r, len(items))
+        raise RewardServiceError(f"reward service {self.url} did not answer ({why}) in "
+                                 f"{self.retries + 1} tries of {self.timeout_s:g} s")
+
+
+def _results(url: str, r: Any, n: int) -> list[dict[str, Any] | RewardServiceError]:
+    """Each item's {"reward": float, **info}, or the error the service gave for it."""
+    try:
+        body = r.json()
+        rewards = body["rewards"]
+        infos, errors = body.get("infos") or [{}] * n, body.get("errors") or [None] * n
+        if not len(rewards) == len(infos) == len(errors) == n:
+            raise ValueError(f"{len(rewards)} rewards for {n} items")
+        return [RewardServiceError(f"reward service {url}: {e}") if e is not None
+                else {"reward": float(x), **dict(i)}
+                for x, i, e in zip(rewards, infos, errors, strict=True)]
+    except (ValueError, KeyError, TypeError) as e:
+        raise RewardServiceError(f"reward service {url} answered malformed JSON ({e}); it "
+                                 f"must return {{\"rewards\": [float, ...]}} with one reward "
+                                 f"per item") from None

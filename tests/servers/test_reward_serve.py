@@ -1,0 +1,137 @@
+"""Remote rewards (#16 item 6): `agentrl reward-serve` serves a reward function over HTTP, and
+`agentrl train --reward.url` scores episodes through it: batched, with timeouts and retries, and
+a failure discards the episodes concerned (counted) instead of crashing the run."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from agentrl.envs.reward import RemoteReward, RewardServiceError
+from servers.reward_serve import create_reward_app
+from servers.serving import serve_in_thread
+
+
+def contains(prompt, response, label):
+    if label == "boom":
+        raise ValueError("cannot score this one")
+    if label == "slow":
+        time.sleep(2.0)
+    return {"reward": float(label in response), "length": len(response)}
+
+
+@pytest.fixture
+def service():
+    with serve_in_thread(create_reward_app(contains)) as url:
+        yield f"{url}/score"
+
+
+def test_concurrent_episodes_are_scored_in_batches(service):
+    client = RemoteReward(service, window_s=0.05)
+    out: dict[int, dict] = {}
+
+    def one(i: int) -> None:
+        out[i] = client("q", f"answer {i}", str(i % 3))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [out[i]["reward"] for i in range(16)] == [
+        float(str(i % 3) in f"answer {i}") for i in range(16)]
+    assert out[3]["length"] == len("answer 3")  # the function's extra keys come back as info
+    assert client.requests < 16  # gathered: one request carries many episodes
+
+
+def test_an_item_the_function_cannot_score_fails_alone_without_retries(service):
+    client = RemoteReward(service, retries=3, window_s=0.2)
+    out: dict[str, object] = {}
+
+    def one(label: str) -> None:
+        try:
+            out[label] = client("q", "r 1", label)
+        except RewardServiceError as e:
+            out[label] = e
+
+    threads = [threading.Thread(target=one, args=(x,)) for x in ("1", "boom", "2")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert isinstance(out["boom"], RewardServiceError) and "cannot score this one" in str(
+        out["boom"])
+    assert out["1"]["reward"] == 1.0 and out["2"]["reward"] == 0.0  # its batch-mates scored
+    assert client.requests == 1
+
+
+def test_a_slow_service_times_out_after_its_retries(service):
+    client = RemoteReward(service, timeout_s=0.3, retries=1)
+    start = time.monotonic()
+    with pytest.raises(RewardServiceError, match=r"did not answer \(ReadTimeout.*2 tries of 0.3 s"):
+        client("q", "r", "slow")
+    assert time.monotonic() - start < 1.5 and client.requests == 2
+
+
+def test_malformed_answers_and_unreachable_services_are_errors():
+    bad = FastAPI()
+
+    @bad.post("/score")
+    async def score() -> JSONResponse:
+        return JSONResponse({"oops": [1]})
+
+    with serve_in_thread(bad) as url:
+        with pytest.raises(RewardServiceError, match="malformed JSON"):
+            RemoteReward(f"{url}/score", retries=0)("q", "r", None)
+    with pytest.raises(RewardServiceError, match="did not answer"):
+        RemoteReward("http://127.0.0.1:9/score", retries=1, timeout_s=1)("q", "r", None)
+
+
+def test_training_through_the_service_discards_what_it_cannot_score(service, tmp_path, capsys):
+    from trainers.cli import main
+
+    rows = [{"prompt": "Say 1.", "label": "1"}, {"prompt": "Say 2.", "label": "boom"}]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    argv = ["--dataset", str(data), "--reward.url", service, "--steps", "2",
+            "--run_dir", str(run), "--actor.model", "tiny", "--use_ray", "false",
+            "--progress", "false", "--tensorboard", "false", "--rollout.prompts_per_step", "4",
+            "--rollout.n_samples_per_prompt", "2", "--rollout.max_new_tokens", "4",
+            "--seed", "3"]
+    assert main(argv) == 0, capsys.readouterr().err
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "reward" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert sum(m["discarded"] for m in steps) > 0  # the "boom" rows: counted, not trained on
+    from agentrl.types import load_jsonl
+
+    trajs = load_jsonl(run / "rollouts" / "step_000001.jsonl")
+    assert trajs and all(t.discard == ("cannot score this one" in t.info.get("error", ""))
+                         for t in trajs)
+    assert any(not t.discard for t in trajs)  # the scorable rows trained
+
+
+def test_reward_flags_are_checked_before_loading(tmp_path):
+    from trainers.cli import build_config
+
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "x"}\n')
+    with pytest.raises(ValueError, match="not both"):
+        build_config(["--dataset", str(data), "--reward_fn", "a.py:f", "--reward.url",
+                      "http://x/score"])
+    with pytest.raises(ValueError, match="must be an http"):
+        build_config(["--dataset", str(data), "--reward.url", "x:8001"])
+
+
+def test_reward_serve_cli_refuses_a_bad_function(tmp_path, capsys):
+    from agentrl.cli import main
+
+    (tmp_path / "r.py").write_text("x = 1\n")
+    assert main(["reward-serve", f"{tmp_path / 'r.py'}:score"]) == 2
+    assert "is not a callable" in capsys.readouterr().err
