@@ -3,6 +3,7 @@ what each actor asks of it."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import subprocess
@@ -38,7 +39,7 @@ def init_ray(num_cpus: int | None = None, address: str | None = None) -> None:
     if address is not None:
         _check_answers(address)
         try:
-            ray.init(address=address, log_to_driver=True)
+            ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
         except ConnectionError as e:
             raise ValueError(f"--ray.address {address}: {e}. Start one with `ray start --head`, "
                              f"or leave --ray.address (and RAY_ADDRESS) unset for a private "
@@ -50,6 +51,7 @@ def init_ray(num_cpus: int | None = None, address: str | None = None) -> None:
             include_dashboard=False,
             ignore_reinit_error=True,
             log_to_driver=True,
+            logging_level=logging.WARNING,  # not "Started a local Ray instance" every run
             _temp_dir=temp_dir,
         )
         _start_reaper(temp_dir)

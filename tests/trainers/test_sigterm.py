@@ -115,3 +115,4 @@ def test_sigterm_stops_between_steps_with_a_checkpoint_and_no_ray_left(tmp_path)
     while _ray_processes(str(ray_tmp)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _ray_processes(str(ray_tmp))
+
