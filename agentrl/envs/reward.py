@@ -257,7 +257,8 @@ class RemoteReward:
                 self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                                 name="agentrl-reward-client")
                 self._sender.start()
-        return done.result()
+        # The sender answers every call; the bound only guards against a bug leaving one hung.
+        return done.result(timeout=(self.retries + 1) * self.timeout_s + 60)
 
     def _send_loop(self) -> None:
         import queue
@@ -273,9 +274,11 @@ class RemoteReward:
                     break
             try:
                 results = self._post([item for item, _ in batch])
-            except RewardServiceError as e:
+            except Exception as e:  # noqa: BLE001 - whatever it is, no episode may hang on it
+                error = e if isinstance(e, RewardServiceError) else RewardServiceError(
+                    f"reward service {self.url}: {type(e).__name__}: {e}")
                 for _, done in batch:
-                    done.set_exception(e)
+                    done.set_exception(error)
                 continue
             for (_, done), result in zip(batch, results, strict=True):
                 if isinstance(result, RewardServiceError):

@@ -81,12 +81,14 @@ class Escaper:
         return self._find.sub(self._mark, value)
 
     def tree(self, value: Any) -> Any:
-        """Messages or tool schemas with every string marked, except the `role` and `type`
-        keys that the template branches on; images and other values are kept as they are."""
+        """Messages or tool schemas with every string marked (keys too: a template may print
+        an argument's name), except the values of `role` and `type`, which the template
+        branches on; images and other values are kept as they are."""
         if isinstance(value, str):
             return self.text(value)
         if isinstance(value, dict):
-            return {k: v if k in ("role", "type") else self.tree(v) for k, v in value.items()}
+            return {self.tree(k): v if k in ("role", "type") else self.tree(v)
+                    for k, v in value.items()}
         if isinstance(value, list | tuple):
             return [self.tree(v) for v in value]
         return value
