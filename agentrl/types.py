@@ -53,6 +53,10 @@ class SamplingParams:
     rather than of the distribution actually sampled from."""
     top_logprobs: int = 0
     """Also return this many most likely alternatives per position (proxy's `top_logprobs`)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias in [-100, 100]) pairs added to the logits before sampling (OpenAI's
+    `logit_bias`). The logprobs are then of that biased distribution, the one sampled from
+    (with `raw_logprobs`, of the model's own)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -76,6 +80,12 @@ class SamplingParams:
                 f"SamplingParams.top_logprobs must be an integer in [0, 20], "
                 f"got {self.top_logprobs!r}"
             )
+        for pair in self.logit_bias:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], int)
+                    and pair[0] >= 0 and isinstance(pair[1], int | float)
+                    and -100 <= pair[1] <= 100):
+                raise ValueError(f"SamplingParams.logit_bias must be (token id >= 0, bias in "
+                                 f"[-100, 100]) pairs, got {pair!r}")
         if isinstance(self.stop, str) or isinstance(self.stop_token_ids, int):
             raise TypeError(
                 "SamplingParams.stop / stop_token_ids take a tuple, e.g. stop=('\\n\\n',)"

@@ -95,6 +95,7 @@ class _Call:
                 "frequency_penalty": req.frequency_penalty,
                 "presence_penalty": req.presence_penalty,
             },
+            logit_bias=req.logit_bias,
         )
 
     def _continue_sampled(self) -> Rendered | None:

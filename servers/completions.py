@@ -88,6 +88,7 @@ async def completions(request: Request) -> Response:
         top_logprobs=req.logprobs or 0,
         penalties={"frequency_penalty": req.frequency_penalty,
                    "presence_penalty": req.presence_penalty},
+        logit_bias=req.logit_bias,
     )
     call_id, created = new_id("cmpl"), int(time.time())
     retries = retry_count(request)

@@ -162,6 +162,7 @@ def sampling_params(
     seed: int | None,
     top_logprobs: int,
     penalties: dict[str, float | None],
+    logit_bias: dict[str, float] | None = None,
 ) -> SamplingParams:
     max_context = state.engine.max_context
     remaining = max_context - prompt_len
@@ -190,7 +191,23 @@ def sampling_params(
         seed=seed,
         logprobs=True,
         top_logprobs=top_logprobs,
+        logit_bias=_logit_bias(state, logit_bias),
     )
+
+
+def _logit_bias(state: ProxyState, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` (token id strings -> -100..100) as (id, bias) pairs, or a 400."""
+    pairs = []
+    vocab = len(state.tokenizer)
+    for key, value in (bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab:
+            raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab}) (as "
+                                f"strings), got {key[:40]!r}", param="logit_bias")
+        if not -100 <= value <= 100:
+            raise APIError(400, f"logit_bias values must be in [-100, 100], got {value} for "
+                                f"token {key}", param="logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
 
 
 def new_id(prefix: str) -> str:

@@ -618,7 +618,11 @@ class TransformersEngine:
         uniform = torch.tensor(
             [1.0 - float(torch.rand(1, generator=s.generator or self._rng)) for s in samples]
         )
-        tokens, lps, logp_B_V = sample_tokens(logits_B_V, temp, top_k, top_p, uniform, raw_B=raw)
+        biased = _with_logit_bias(logits_B_V, params)
+        tokens, lps, logp_B_V = sample_tokens(biased, temp, top_k, top_p, uniform, raw_B=raw)
+        if biased is not logits_B_V and bool(raw.any()):  # raw: the model's own, unbiased
+            own = torch.log_softmax(logits_B_V.float(), -1).gather(1, tokens[:, None])[:, 0]
+            lps = torch.where(raw, own.to(lps.dtype), lps)
         want_top = max(p.top_logprobs for p in params)
         top_vals: list[list[float]] | None = None
         top_ids: list[list[int]] | None = None
@@ -787,3 +791,16 @@ def _strip_wrappers(name: str) -> str:
     for prefix in ("module.", "_orig_mod.", "_fsdp_wrapped_module."):
         name = name.replace(prefix, "")
     return name
+
+
+def _with_logit_bias(logits_B_V: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The logits with each row's `logit_bias` added (the same tensor when none has one)."""
+    rows = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return logits_B_V
+    out = logits_B_V.clone()
+    for i, bias in rows:
+        ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=out.device)
+        vals = torch.tensor([b for _, b in bias], dtype=out.dtype, device=out.device)
+        out[i].index_add_(0, ids, vals)
+    return out

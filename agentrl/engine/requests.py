@@ -36,6 +36,9 @@ def check_request(
     bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+    bad = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})")
     if len(prompt) + 1 > max_context:
         raise PromptTooLongError(len(prompt), max_context)
     return prompt

@@ -372,6 +372,7 @@ class VLLMEngine:
             stop_token_ids=list(params.stop_token_ids) or None,
             seed=params.seed,
             logprobs=want if params.logprobs or want else None,
+            logit_bias=dict(params.logit_bias) or None,
             output_kind=output_kind,
         )
 

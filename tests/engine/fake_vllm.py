@@ -70,6 +70,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:

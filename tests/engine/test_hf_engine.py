@@ -100,6 +100,29 @@ async def test_raw_logprobs_are_the_model_distribution(engine, model, prompts):
     assert not torch.allclose(torch.tensor(c.logprobs), processed, atol=1e-3)
 
 
+async def test_logit_bias_steers_sampling_and_the_logprobs_are_of_what_was_sampled(
+        engine, model, prompts):
+    """#17 item 4 (logit_bias): +100 on one token makes it the sample at every position; the
+    logprobs are of the biased distribution (~0), raw ones of the model's own."""
+    token = 42
+    biased = SamplingParams(temperature=1.0, max_tokens=6, seed=1, logit_bias=((token, 100.0),))
+    [c] = await engine.generate(prompts[0], biased)
+    assert c.token_ids == [token] * 6 and all(abs(lp) < 1e-3 for lp in c.logprobs)
+    [raw] = await engine.generate(prompts[0], dataclasses.replace(biased, raw_logprobs=True))
+    torch.testing.assert_close(torch.tensor(raw.logprobs),
+                               recompute_logprobs(model, prompts[0], raw.token_ids),
+                               atol=1e-4, rtol=0)
+    [free] = await engine.generate(prompts[0], dataclasses.replace(GREEDY, max_tokens=1))
+    [banned] = await engine.generate(prompts[0], dataclasses.replace(
+        GREEDY, max_tokens=1, logit_bias=((free.token_ids[0], -100.0),)))
+    assert banned.token_ids != free.token_ids  # greedy's own choice, banned
+    with pytest.raises(ValueError, match="logit_bias token id 99999 is outside"):
+        await engine.generate(prompts[0], dataclasses.replace(
+            GREEDY, logit_bias=((99999, 1.0),)))
+    with pytest.raises(ValueError, match=r"bias in \[-100, 100\]"):
+        SamplingParams(logit_bias=((1, 500.0),))
+
+
 async def test_top_k_one_is_greedy(engine, prompts):
     [g] = await engine.generate(prompts[0], GREEDY)
     [k] = await engine.generate(prompts[0], dataclasses.replace(GREEDY, temperature=1.0, top_k=1))

@@ -224,3 +224,10 @@ async def test_images_go_to_vllm_as_multi_modal_data_with_one_placeholder_each(
         assert text == {"prompt_token_ids": prompt[:5]}
     finally:
         engine.close()
+
+def test_logit_bias_reaches_vllm(engine):
+    from agentrl.types import SamplingParams
+
+    vp = engine._to_vllm(SamplingParams(logit_bias=((5, 100.0), (7, -100.0))), None)
+    assert vp.logit_bias == {5: 100.0, 7: -100.0}
+    assert engine._to_vllm(SamplingParams(), None).logit_bias is None

@@ -169,6 +169,10 @@ async def test_completions_streams_and_greedy_copies(engine, model, tiny_tokeniz
     assert (s.token_ids, s.finish_reason, s.stop_reason) == (ids[:end], "stop", stop)
     with pytest.raises(ValueError, match="raw_logprobs=True"):
         await engine.generate(prompt, SamplingParams(max_tokens=2, raw_logprobs=True))
+    # logit_bias reaches vLLM's sampler: +100 makes one token the sample everywhere.
+    [b] = await engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=4, seed=1,
+                                                       logit_bias=((42, 100.0),)))
+    assert b.token_ids == [42] * 4
 
 
 async def test_update_weights_then_logprobs_follow_the_new_weights(engine, model, tiny_tokenizer):

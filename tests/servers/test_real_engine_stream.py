@@ -38,3 +38,25 @@ def test_streamed_greedy_equals_non_streamed(real_proxy):
     [streamed] = real_proxy.store.get("streamed").trajectories()
     assert streamed.token_ids == plain.token_ids
     assert len(streamed.token_ids) > 0
+
+
+def test_logit_bias_is_applied_not_ignored(real_proxy, tok):
+    """#17 item 4: `logit_bias` was accepted and silently ignored."""
+    import httpx
+    import openai
+
+    token = tok.encode("7", add_special_tokens=False)[0]
+    r = real_proxy.client("biased").chat.completions.create(
+        model="agentrl", messages=MSGS, max_tokens=5, logit_bias={str(token): 100})
+    assert r.choices[0].message.content == "7" * 5
+    [traj] = real_proxy.store.get("biased").trajectories()
+    turn = traj.turns[0]
+    assert traj.token_ids[turn.start:turn.end] == [token] * 5
+    for bad, says in (({"x": 1}, "token ids in"), ({"999999": 1}, "token ids in"),
+                      ({str(token): 101}, r"\[-100, 100\]")):
+        with pytest.raises(openai.BadRequestError, match=says):
+            real_proxy.client().chat.completions.create(
+                model="agentrl", messages=MSGS, max_tokens=2, logit_bias=bad)
+    done = httpx.post(f"{real_proxy.url}/v1/completions", json={
+        "model": "agentrl", "prompt": "a", "max_tokens": 3, "logit_bias": {str(token): 100}})
+    assert done.json()["choices"][0]["text"] == "777"
