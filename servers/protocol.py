@@ -9,6 +9,7 @@ package's own models.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -44,6 +45,22 @@ class FunctionCall(BaseModel):
     model_config = _STRICT
     name: str
     arguments: str | dict = "{}"
+
+    @model_validator(mode="after")
+    def _arguments_are_an_object(self) -> FunctionCall:
+        """A tool call sent back must carry what a call carries: a JSON object (the proxy
+        never answers with anything else), or nothing."""
+        if isinstance(self.arguments, str) and self.arguments.strip():
+            try:
+                value = json.loads(self.arguments)
+            except ValueError as e:
+                raise ValueError(f"the arguments of tool call {self.name!r} are not valid "
+                                 f"JSON ({e}); send the arguments string the call came "
+                                 f"with") from None
+            if not isinstance(value, dict):
+                raise ValueError(f"the arguments of tool call {self.name!r} must be a JSON "
+                                 f"object, got {type(value).__name__}")
+        return self
 
 
 class ToolCallIn(BaseModel):

@@ -259,12 +259,9 @@ def _call_dict(call: ToolCallIn) -> dict:
     fn = call.function
     args: object = fn.arguments
     if isinstance(args, str):
-        # As vLLM does: templates (Qwen2.5, Hermes) expect a mapping and `tojson` it.
-        try:
-            parsed = json.loads(args) if args.strip() else {}
-            args = parsed if isinstance(parsed, dict) else args
-        except json.JSONDecodeError:
-            pass
+        # As vLLM does: templates (Qwen2.5, Hermes) expect a mapping and `tojson` it. The
+        # request model has checked that the text is a JSON object (or empty).
+        args = json.loads(args) if args.strip() else {}
     return {
         "id": call.id or "call_0",
         "type": "function",

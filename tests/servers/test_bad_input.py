@@ -28,6 +28,17 @@ CASES = [
     ("top_logprobs alone", {**OK, "top_logprobs": 2}, 400, "logprobs=true"),
     ("remote image", {**OK, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]}, 400, "image"),
+    ("malformed tool-call arguments sent back", {**OK, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+         "function": {"name": "f", "arguments": '{"x": 1'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}, 400,
+     "arguments of tool call 'f' are not valid JSON"),
+    ("tool-call arguments that are not an object", {**OK, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+         "function": {"name": "f", "arguments": "[1, 2]"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}, 400, "must be a JSON object"),
 ]
 
 
