@@ -71,11 +71,11 @@ class _Call:
         state, req = self.state, self.req
         rendered = None
         if self.session is not None:
-            self.context = context_key([m.model_dump(exclude_none=True) for m in req.messages],
-                                       [t.model_dump(exclude_none=True)
-                                        for t in self.tools or ()])
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            tools = [t.model_dump(exclude_none=True) for t in self.tools or ()]
+            self.context = context_key(messages, tools)
             if not images:
-                rendered = await off_loop(chars, self._continue_sampled)
+                rendered = await off_loop(chars, self._continue_sampled, messages, tools)
         if rendered is None:
             rendered = await off_loop(
                 chars, state.renderer.render_chat, req.messages, self.tools, images=images)
@@ -98,16 +98,16 @@ class _Call:
             logit_bias=req.logit_bias,
         )
 
-    def _continue_sampled(self) -> Rendered | None:
+    def _continue_sampled(self, dumped: list[dict], tools: list[dict]) -> Rendered | None:
         """The earlier call and choice whose reply is this request's last assistant message,
-        asked exactly the messages before it: its prompt, its sampled ids, then the rest."""
+        asked exactly the messages before it: its prompt, its sampled ids, then the rest.
+        `dumped`, `tools`: the request's messages and tools as `context_key` takes them."""
         assert self.session is not None
         messages = self.req.messages
         last = max((k for k, m in enumerate(messages) if m.role == "assistant"), default=None)
         if last is None or last == len(messages) - 1:
             return None
-        asked = context_key([m.model_dump(exclude_none=True) for m in messages[:last]],
-                            [t.model_dump(exclude_none=True) for t in self.tools or ()])
+        asked = context_key(dumped[:last], tools)
         found = self.session.find_reply(asked, _reply_of(messages[last]))
         if found is None:
             return None

@@ -132,18 +132,17 @@ class Session:
                 return self._finished(child, token, oom_before, clock)
             event = "overflow"
         # The interpreter is gone or must go: timeout, flood, OOM kill or a crash.
-        self._holder.child = None
-        child.close()
+        self._end(child)
         stdout, stderr, truncated = child.take_output()
         status, rc = classify(child, event, oom_before)
         self._lost = f"status {status}" if status != "ok" else "the code exited it"
         return ExecResult(status, rc, decode(stdout), decode(stderr), time.monotonic() - clock,
                           truncated)
 
-    def _end(self, child: Child, why: str) -> None:
+    def _end(self, child: Child) -> None:
+        """Kill this call's interpreter; the next call starts a fresh one."""
         self._holder.child = None
         child.close()
-        self._lost = why
 
     def _finished(self, child: Child, token: bytes, oom_before: int,
                   clock: float) -> ExecResult:
@@ -151,7 +150,8 @@ class Session:
         reply = _parse_reply(child.take_message() or b"", token)
         child.pause()
         if reply is None or child.stray_message():
-            self._end(child, "its protocol pipe was written to by the code")
+            self._end(child)
+            self._lost = "its protocol pipe was written to by the code"
             stdout, stderr, truncated = child.take_output()
             return ExecResult("error", None, decode(stdout), decode(stderr) + _DESYNC,
                               time.monotonic() - clock, truncated)
