@@ -57,6 +57,11 @@ class SamplingParams:
     """(token id, bias in [-100, 100]) pairs added to the logits before sampling (OpenAI's
     `logit_bias`). The logprobs are then of that biased distribution, the one sampled from
     (with `raw_logprobs`, of the model's own)."""
+    grammar: str | None = None
+    """A grammar the completion must match, in xgrammar's EBNF (`agentrl.engine.grammar` builds
+    them from JSON schemas and tool lists). Tokens it forbids get probability 0 before any other
+    processing, so every reported logprob, raw ones too, is of that masked distribution; the
+    completion ends once the grammar is complete."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -86,6 +91,9 @@ class SamplingParams:
                     and -100 <= pair[1] <= 100):
                 raise ValueError(f"SamplingParams.logit_bias must be (token id >= 0, bias in "
                                  f"[-100, 100]) pairs, got {pair!r}")
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar):
+            raise ValueError("SamplingParams.grammar must be a non-empty EBNF string or None; "
+                             "build one with agentrl.engine.grammar.json_schema_grammar(...)")
         if isinstance(self.stop, str) or isinstance(self.stop_token_ids, int):
             raise TypeError(
                 "SamplingParams.stop / stop_token_ids take a tuple, e.g. stop=('\\n\\n',)"

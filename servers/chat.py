@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -11,6 +12,12 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from agentrl.engine.grammar import (
+    GrammarError,
+    json_object_grammar,
+    json_schema_grammar,
+    union_grammar,
+)
 from agentrl.types import Completion
 from servers.config import ProxyState
 from servers.errors import APIError, error_body
@@ -33,11 +40,18 @@ from servers.generation import (
     stored_stream_end,
 )
 from servers.images import load_images
-from servers.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, TextPart
+from servers.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    JSONObjectFormat,
+    JSONSchemaFormat,
+    NamedToolChoice,
+    TextPart,
+)
 from servers.render import Rendered, message_chars
 from servers.sessions import context_key, reply_key
 from servers.streaming import ChoiceText, sse, token_logprob_entries
-from servers.tools import ParseEvent
+from servers.tools import ParseEvent, tool_call_grammar
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -96,7 +110,51 @@ class _Call:
                 "presence_penalty": req.presence_penalty,
             },
             logit_bias=req.logit_bias,
+            grammar=await off_loop(self._schema_chars(), self._grammar),
         )
+
+    def _schema_chars(self) -> int:
+        fmt = self.req.response_format
+        size = len(json.dumps(fmt.json_schema.schema_)) if isinstance(fmt, JSONSchemaFormat) else 0
+        return size + sum(len(json.dumps(t.function.parameters or {})) for t in self.tools or ())
+
+    def _grammar(self) -> str | None:
+        """What the output must match: calls to the allowed tools where `tool_choice` requires
+        one or `parallel_tool_calls` is false, JSON where `response_format` asks for it (or,
+        with tools, a call instead of the JSON), or None."""
+        req = self.req
+        fmt = req.response_format
+        json_grammar = None
+        try:
+            if isinstance(fmt, JSONObjectFormat):
+                json_grammar = json_object_grammar()
+            elif isinstance(fmt, JSONSchemaFormat):
+                json_grammar = json_schema_grammar(
+                    fmt.json_schema.schema_,
+                    what=f"response_format.json_schema {fmt.json_schema.name!r}")
+        except GrammarError as e:
+            raise APIError(400, str(e), code="invalid_json_schema",
+                           param="response_format") from None
+        if not self.tools:
+            return json_grammar
+        required = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
+        parallel = req.parallel_tool_calls is not False
+        if not required and parallel and json_grammar is None:
+            return None  # calls are parsed from free text; nothing to constrain
+        allowed = [(t.function.name, t.function.parameters) for t in self.tools
+                   if t.function.name in self.tool_names]
+        try:
+            calls = tool_call_grammar(self.state.tool_parser, allowed,
+                                      only_calls=required or json_grammar is not None,
+                                      parallel=parallel)
+        except GrammarError as e:
+            raise APIError(400, str(e), code="invalid_function_parameters",
+                           param="tools") from None
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice") from None
+        if json_grammar is None or required:
+            return calls
+        return union_grammar(json_grammar, calls)
 
     def _continue_sampled(self, dumped: list[dict], tools: list[dict]) -> Rendered | None:
         """The earlier call and choice whose reply is this request's last assistant message,

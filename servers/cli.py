@@ -52,6 +52,9 @@ class ServeArgs:
     """Most generation requests in flight; more get 503 + Retry-After."""
     max_body_bytes: int = 32 * 2**20
     """Largest request body accepted (413 beyond); images as data URLs count."""
+    max_tokens_default: int | None = None
+    """Most tokens sampled per choice when a request sets neither max_tokens nor
+    max_completion_tokens (default: the rest of the context)."""
     tool_parser: str = "hermes"
     """How tool calls are read from model text (see servers.tools.TOOL_PARSERS)."""
     max_images_per_request: int = 16
@@ -67,6 +70,8 @@ class ServeArgs:
     $XDG_DATA_HOME/agentrl/sessions/, printed at start), or `memory` (lost when it stops)."""
 
     def __post_init__(self) -> None:
+        if self.max_tokens_default is not None and self.max_tokens_default < 1:
+            raise ValueError(f"--max_tokens_default must be >= 1, got {self.max_tokens_default}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         from agentrl.backends.device import check_device_name
@@ -124,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         config=ProxyConfig(model_name=name, api_keys=args.api_key,
                            max_concurrency=args.max_concurrency, tool_parser=args.tool_parser,
                            max_body_bytes=args.max_body_bytes,
+                           max_tokens_default=args.max_tokens_default,
                            max_images_per_request=args.max_images_per_request,
                            allow_image_urls=args.allow_image_urls,
                            image_url_max_bytes=args.image_url_max_bytes,

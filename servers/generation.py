@@ -163,6 +163,7 @@ def sampling_params(
     top_logprobs: int,
     penalties: dict[str, float | None],
     logit_bias: dict[str, float] | None = None,
+    grammar: str | None = None,
 ) -> SamplingParams:
     max_context = state.engine.max_context
     remaining = max_context - prompt_len
@@ -192,6 +193,7 @@ def sampling_params(
         logprobs=True,
         top_logprobs=top_logprobs,
         logit_bias=_logit_bias(state, logit_bias),
+        grammar=grammar,
     )
 
 

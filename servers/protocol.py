@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible endpoints, as strict pydantic models.
 
 Strict: a string where a number belongs is a 400, not a silent coercion. Unknown but harmless
-fields that real clients send (`user`, `metadata`, `store`, `parallel_tool_calls`,
-`service_tier`, `reasoning_effort`, ...) are accepted and ignored (`extra="allow"`).
+fields that real clients send (`user`, `metadata`, `store`, `service_tier`,
+`reasoning_effort`, ...) are accepted and ignored (`extra="allow"`).
 Responses are plain dicts shaped like the OpenAI types; tests validate them with the `openai`
 package's own models.
 """
@@ -113,6 +113,34 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+class JSONSchemaSpec(BaseModel):
+    model_config = _STRICT
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict | bool = Field(default_factory=dict, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+
+
+class JSONObjectFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["json_object"]
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat,
+                           Field(discriminator="type")]
+
+
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
@@ -150,6 +178,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:

@@ -4,7 +4,10 @@ Parsers are incremental (`feed` text as it is decoded, `finish` at the end) so s
 non-streaming share one code path and always agree. A parser only shapes the *response*: the
 tokens the model sampled are recorded token-exact whatever the parser made of them.
 
-Register more formats in `TOOL_PARSERS` (name -> factory taking the allowed tool names).
+Register more formats in `TOOL_PARSERS` (name -> factory taking the allowed tool names). A
+factory that also has `call_tag(name, parameters)` (the xgrammar tag one call is written as)
+and `trigger` can constrain sampling to calls: `tool_choice` "required" or a named function,
+and `parallel_tool_calls: false`.
 """
 
 from __future__ import annotations
@@ -12,9 +15,11 @@ from __future__ import annotations
 import difflib
 import json
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
+
+from agentrl.engine.grammar import structural_tag_grammar
 
 
 @dataclass
@@ -62,6 +67,18 @@ class HermesToolParser:
 
     open_tag = "<tool_call>"
     close_tag = "</tool_call>"
+    trigger = open_tag
+
+    @classmethod
+    def call_tag(cls, name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
+        """One call as Hermes/Qwen chat templates render it, arguments valid for `parameters`."""
+        schema = parameters if parameters else {"type": "object"}
+        return {
+            "type": "tag",
+            "begin": f'{cls.open_tag}\n{{"name": {json.dumps(name)}, "arguments": ',
+            "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 2},
+            "end": f"}}\n{cls.close_tag}",
+        }
 
     def __init__(self, tool_names: frozenset[str]) -> None:
         self.tool_names = tool_names
@@ -161,6 +178,37 @@ def get_tool_parser(name: str) -> ToolParserFactory:
             f"add one to servers.tools.TOOL_PARSERS"
         )
     return TOOL_PARSERS[name]
+
+
+def tool_call_grammar(
+    factory: ToolParserFactory,
+    tools: Sequence[tuple[str, dict[str, Any] | None]],
+    *,
+    only_calls: bool,
+    parallel: bool,
+) -> str:
+    """A grammar for the completion given (name, parameters schema) of the tools it may call.
+
+    only_calls: the completion is one or more calls (`tool_choice` "required" or a named tool)
+    and nothing else; otherwise free text in which each call, once begun, must be well formed.
+    parallel=False: at most one call, after which the completion ends.
+    Raises GrammarError for a parameters schema the grammar library cannot compile, and
+    ValueError for a tool format that cannot be constrained."""
+    call_tag = getattr(factory, "call_tag", None)
+    trigger = getattr(factory, "trigger", None)
+    if call_tag is None or trigger is None:
+        raise ValueError(f"the tool parser {getattr(factory, '__name__', factory)!r} does not "
+                         f"describe its call format, so calls cannot be required or limited "
+                         f"to one; use the hermes parser or give yours `call_tag` and `trigger`")
+    tags = [call_tag(name, parameters) for name, parameters in tools]
+    if only_calls:
+        fmt: dict[str, Any] = {"type": "tags_with_separator", "tags": tags, "separator": "\n",
+                               "at_least_one": True, "stop_after_first": not parallel}
+    else:
+        fmt = {"type": "triggered_tags", "triggers": [trigger], "tags": tags,
+               "at_least_one": False, "stop_after_first": not parallel}
+    names = ", ".join(name for name, _ in tools)
+    return structural_tag_grammar(fmt, what=f"the parameters of the tools ({names})")
 
 
 def parse_tool_calls(

@@ -42,6 +42,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from agentrl.engine.base import GenerationError, NamedTensors
+from agentrl.engine.grammar import GrammarMasks
 from agentrl.engine.kv import KV, BatchCache, PrefixCache, filled_kv
 from agentrl.engine.requests import (
     Request,
@@ -127,6 +128,7 @@ class TransformersEngine:
         self._max_context = int(getattr(cfg, "max_position_embeddings", 0) or 2048)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.eos_ids = _eos_ids(model, tokenizer)
+        self.grammars = GrammarMasks(tokenizer, self.vocab_size, self.eos_ids)
         self.vision: VisionProcessor | None = None
         if is_vision_config(model.config):
             self.vision = vision or vision_processor(tokenizer)
@@ -241,13 +243,15 @@ class TransformersEngine:
             prompt_ids, params, vocab_size=self.vocab_size, max_context=self._max_context
         )
         vision = self._vision_prompt(prompt, images) if images else None
+        grammar = self.grammars.compile(params.grammar) if params.grammar is not None else None
         if self._closed:
             raise RuntimeError("engine is closed")
         if params.max_tokens == 0:
             return None
         loop = asyncio.get_running_loop()
         req = Request(
-            request_id or uuid.uuid4().hex, prompt, params, loop, loop.create_future(), vision
+            request_id or uuid.uuid4().hex, prompt, params, loop, loop.create_future(), vision,
+            grammar,
         )
         if stream:
             req.stream = asyncio.Queue()
@@ -436,7 +440,9 @@ class TransformersEngine:
             gen = None
             if req.params.seed is not None:
                 gen = torch.Generator().manual_seed(hash((req.params.seed, j)) & (2**63 - 1))
-            samples.append(Sample(req, j, gen, limit, self._version, length=len(req.prompt)))
+            matcher = None if req.grammar is None else self.grammars.matcher(req.grammar)
+            samples.append(Sample(req, j, gen, limit, self._version, length=len(req.prompt),
+                                  matcher=matcher))
         req.samples = samples
         return samples
 
@@ -618,6 +624,9 @@ class TransformersEngine:
         uniform = torch.tensor(
             [1.0 - float(torch.rand(1, generator=s.generator or self._rng)) for s in samples]
         )
+        # The grammar's mask comes first: every logprob below, raw ones too, is of the masked
+        # distribution (vLLM masks at the same point).
+        self.grammars.apply(logits_B_V, [s.matcher for s in samples])
         biased = _with_logit_bias(logits_B_V, params)
         tokens, lps, logp_B_V = sample_tokens(biased, temp, top_k, top_p, uniform, raw_B=raw)
         if biased is not logits_B_V and bool(raw.any()):  # raw: the model's own, unbiased
@@ -635,6 +644,8 @@ class TransformersEngine:
         for i, (s, tok, lp) in enumerate(zip(samples, tokens.tolist(), lps.tolist(), strict=True)):
             s.tokens.append(tok)
             s.logprobs.append(lp)
+            if s.matcher is not None and not s.matcher.is_terminated():
+                s.matcher.accept_token(tok)
             if s.request.params.top_logprobs and top_vals is not None and top_ids is not None:
                 k = s.request.params.top_logprobs
                 s.top.append(

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agentrl.engine.base import PromptTooLongError
 from agentrl.types import Completion, CompletionDelta, FinishReason, SamplingParams
@@ -77,6 +77,8 @@ class Sample:
     """Real tokens of this sample in the KV cache (prompt + fed completion tokens)."""
     finish: FinishReason | None = None
     stop_reason: str | int | None = None
+    matcher: Any = None
+    """Where this sample is in its request's grammar (an xgrammar GrammarMatcher), if any."""
 
     def delta(self, start: int) -> CompletionDelta:
         """The tokens from position `start` on, with the finish reason if the sample is done."""
@@ -116,6 +118,8 @@ class Request:
     future: asyncio.Future
     vision: VisionPrompt | None = None
     """The prompt's images, for a vision-language model."""
+    grammar: Any = None
+    """`params.grammar` compiled for the engine's tokenizer (an xgrammar CompiledGrammar)."""
     samples: list[Sample] = field(default_factory=list)
     aborted: bool = False
     stream: asyncio.Queue[list[CompletionDelta] | None] | None = None

@@ -360,6 +360,7 @@ class VLLMEngine:
 
     def _to_vllm(self, params: SamplingParams, output_kind: Any) -> Any:
         from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
 
         want = max(params.top_logprobs, 0)
         return VSamplingParams(
@@ -373,6 +374,9 @@ class VLLMEngine:
             seed=params.seed,
             logprobs=want if params.logprobs or want else None,
             logit_bias=dict(params.logit_bias) or None,
+            # vLLM's xgrammar backend masks the logits before its sampler, as ours does.
+            structured_outputs=None if params.grammar is None
+            else StructuredOutputsParams(grammar=params.grammar),
             output_kind=output_kind,
         )
 

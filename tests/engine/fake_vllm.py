@@ -60,6 +60,14 @@ class RequestOutputKind(enum.Enum):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """vllm/sampling_params.py: one constraint kind of json, regex, choice, grammar, ..."""
+
+    grammar: str | None = None
+    json: str | dict | None = None
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -71,6 +79,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -521,6 +530,7 @@ def install(monkeypatch) -> None:
         "vllm.sampling_params": {
             "RequestOutputKind": RequestOutputKind,
             "SamplingParams": SamplingParams,
+            "StructuredOutputsParams": StructuredOutputsParams,
         },
         "vllm.inputs": {"TokensPrompt": TokensPrompt},
         "vllm.platforms": {"current_platform": platform},

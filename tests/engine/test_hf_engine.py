@@ -370,3 +370,76 @@ async def test_a_short_shared_start_is_encoded_with_the_prompts(model, tiny_toke
         await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=2)) for p in batch))
         assert engine.counters["shared_prefix_prefills"] == 0
         assert engine.counters["prefill_tokens"] == sum(len(p) for p in batch)
+
+
+COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                           "n": {"type": "integer", "maximum": 9,
+                                                 "minimum": 0}},
+         "required": ["color", "n"], "additionalProperties": False}
+
+
+def masked_logprobs(model, prompt, completion, grammar, masks):
+    """Plain-loop reference: at each position, the model's log-softmax over the tokens the
+    grammar allows there (the matcher replayed over the completion)."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(masks.compile(grammar))
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+    out = []
+    for pos, tok in enumerate(completion):
+        row = logits[pos].float().clone()[None]
+        masks.apply(row, [matcher])
+        out.append(float(torch.log_softmax(row[0], -1)[tok]))
+        assert matcher.accept_token(tok)
+    return torch.tensor(out)
+
+
+async def test_a_grammar_constrains_every_sample_and_logprobs_are_of_the_masked_distribution(
+        engine, model, prompts, tiny_tokenizer):
+    """#17 item 4: a JSON-schema grammar makes the tiny random model write only valid JSON
+    for the schema, ending the completion when it is complete; each token's logprob is of
+    the distribution sampled from (the model's, renormalised over what the grammar allows)."""
+    import json
+
+    from agentrl.engine.grammar import json_schema_grammar
+
+    grammar = json_schema_grammar(COLOR)
+    params = SamplingParams(temperature=1.0, max_tokens=60, n=4, seed=3, grammar=grammar)
+    completions = await engine.generate(prompts[0], params)
+    free = await engine.generate(prompts[0], dataclasses.replace(params, grammar=None))
+    assert not any(_is_json(tiny_tokenizer.decode(c.token_ids, skip_special_tokens=True))
+                   for c in free)  # the model alone does not write it
+    for c in completions:
+        text = tiny_tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        value = json.loads(text)
+        assert value["color"] in {"red", "green", "blue"} and 0 <= value["n"] <= 9
+        assert set(value) == {"color", "n"} and c.finish_reason == "stop"
+        assert c.token_ids[-1] in engine.eos_ids
+        want = masked_logprobs(model, prompts[0], c.token_ids, grammar, engine.grammars)
+        torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-4, rtol=0)
+        plain = recompute_logprobs(model, prompts[0], c.token_ids)
+        assert (want >= plain - 1e-5).all() and (want > plain + 1e-3).any()
+    [greedy] = await engine.generate(prompts[0], dataclasses.replace(GREEDY, grammar=grammar,
+                                                                    max_tokens=60))
+    json.loads(tiny_tokenizer.decode(greedy.token_ids, skip_special_tokens=True))
+
+
+def _is_json(text: str) -> bool:
+    import json
+
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+async def test_a_grammar_that_does_not_compile_is_refused_before_queueing(engine, prompts):
+    from agentrl.engine.grammar import GrammarError, json_schema_grammar
+
+    with pytest.raises(GrammarError, match="cannot be compiled"):
+        await engine.generate(prompts[0], dataclasses.replace(GREEDY, grammar="root ::= ("))
+    with pytest.raises(GrammarError, match='Unsupported type "strang"'):
+        json_schema_grammar({"type": "strang"})
+    assert engine.num_waiting == 0 and engine.num_running == 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import importlib.util
+import json
 import os
 from multiprocessing import resource_tracker
 
@@ -173,6 +174,17 @@ async def test_completions_streams_and_greedy_copies(engine, model, tiny_tokeniz
     [b] = await engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=4, seed=1,
                                                        logit_bias=((42, 100.0),)))
     assert b.token_ids == [42] * 4
+    # A grammar reaches vLLM's structured outputs (its xgrammar backend, on the CPU too): the
+    # random model writes valid JSON for the schema and stops there.
+    from agentrl.engine.grammar import json_schema_grammar
+
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}},
+              "required": ["color"], "additionalProperties": False}
+    constrained = await engine.generate(prompt, SamplingParams(
+        temperature=1.0, max_tokens=40, n=2, seed=5, grammar=json_schema_grammar(schema)))
+    for c in constrained:
+        text = tiny_tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        assert json.loads(text)["color"] in ("red", "blue") and c.finish_reason == "stop"
 
 
 async def test_update_weights_then_logprobs_follow_the_new_weights(engine, model, tiny_tokenizer):

@@ -18,6 +18,20 @@ def test_no_model_flag_serves_the_embedded_default():
     args = tyro.cli(ServeArgs, args=[], use_underscores=True)
     assert (args.model, args.engine, args.device) == ("smollm2-135m-instruct", "transformers",
                                                       "auto")
+    assert args.max_tokens_default is None
+    capped = tyro.cli(ServeArgs, args=["--max_tokens_default", "64"], use_underscores=True)
+    assert capped.max_tokens_default == 64
+    with pytest.raises(ValueError, match="--max_tokens_default must be >= 1"):
+        ServeArgs(max_tokens_default=0)
+
+
+def test_the_default_max_tokens_caps_requests_that_set_none(make_proxy):
+    p = make_proxy(max_tokens_default=7)
+    client = p.client()
+    msgs = [{"role": "user", "content": "hi"}]
+    client.chat.completions.create(model="agentrl", messages=msgs)
+    client.chat.completions.create(model="agentrl", messages=msgs, max_completion_tokens=3)
+    assert [params.max_tokens for _, params, _ in p.engine.requests] == [7, 3]
 
 
 def test_an_unknown_engine_says_did_you_mean(capsys, monkeypatch):
