@@ -3,7 +3,9 @@
     python examples/proxy_openai_agents.py [--model tiny]
 
 Needs `openai-agents` (pip install openai-agents) and the transformers engine; it says so and
-exits if either is missing. The agent only sees a base_url and an api key.
+exits if either is missing. The agent only sees a base_url and an api key, and uses the SDK's
+default model, which speaks the Responses API (`/v1/responses`); the SDK's chat-completions
+model (`OpenAIChatCompletionsModel`) works the same way.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ def main() -> int:
     ap.add_argument("--model", default="tiny")
     args = ap.parse_args()
     try:
-        from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool
+        from agents import Agent, OpenAIResponsesModel, Runner, function_tool
     except ImportError:
         print("skipped: the OpenAI Agents SDK is not installed (pip install openai-agents)")
         return 0
@@ -41,7 +43,7 @@ def main() -> int:
 
     async def agent(task: str, base_url: str, api_key: str) -> str:
         client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key)
-        model = OpenAIChatCompletionsModel(model=args.model, openai_client=client)
+        model = OpenAIResponsesModel(model=args.model, openai_client=client)
         bot = Agent(name="calc", instructions="Use the add tool.", tools=[add], model=model)
         result = await Runner.run(bot, task, max_turns=3)
         return str(result.final_output)

@@ -10,7 +10,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from agentrl.models.vision import VisionProcessor
-from servers import chat, completions, session_routes
+from servers import chat, completions, responses, session_routes
 from servers.config import ProxyConfig, ProxyState
 from servers.deps import GenerateEngine, Tokenizer
 from servers.errors import APIError, install_error_handlers
@@ -45,7 +45,7 @@ def create_app(
     app = FastAPI(title="agentrl proxy", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.proxy = ProxyState.build(engine, tokenizer, store, config, processor)
     install_error_handlers(app)
-    for router in (chat.router, completions.router, misc):
+    for router in (chat.router, completions.router, responses.router, misc):
         app.include_router(router)
         app.include_router(router, prefix="/sessions/{session_id}")
     app.include_router(session_routes.router)

@@ -61,7 +61,7 @@ def _state(request: Request) -> ProxyState:
     return request.app.state.proxy
 
 
-class _Call:
+class ChatCall:
     """One chat request, validated and rendered."""
 
     def __init__(self, state: ProxyState, request: Request, req: ChatCompletionRequest) -> None:
@@ -231,17 +231,24 @@ def _finish(engine_reason: str | None, text: ChoiceText) -> str:
     return "length" if engine_reason == "length" else "stop"
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request) -> Response:
-    state = _state(request)
-    req = await parse_request(ChatCompletionRequest, request, state)
+async def prepare(state: ProxyState, request: Request, req: ChatCompletionRequest) -> ChatCall:
+    """A validated request's call, its images loaded and its prompt rendered (shared with the
+    Responses API, whose requests become chat requests)."""
     check_model(state, req.model)
     chars = message_chars(req.messages, req.tools)
     refuse_if_too_long(state, chars, "messages")
     images = await load_images(req.messages, state.config,
                                vision=state.renderer.processor is not None)
-    call = _Call(state, request, req)
+    call = ChatCall(state, request, req)
     await call.render(images, chars)
+    return call
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = _state(request)
+    req = await parse_request(ChatCompletionRequest, request, state)
+    call = await prepare(state, request, req)
     if call.session is not None:
         call.session.in_flight += 1
     try:
@@ -257,7 +264,9 @@ async def chat_completions(request: Request) -> Response:
             call.session.in_flight -= 1
 
 
-async def _complete(call: _Call, request: Request) -> Response:
+async def sample(call: ChatCall, request: Request) -> tuple[list[Completion], list[ChoiceText]]:
+    """Every choice sampled and parsed, recorded and stored; ClientDisconnected (recorded as
+    aborted) when the client goes away first."""
     rendered = call.rendered
     try:
         completions = await run_unless_disconnected(
@@ -265,7 +274,7 @@ async def _complete(call: _Call, request: Request) -> Response:
         )
     except ClientDisconnected:
         call.record([], aborted=True)
-        return Response(status_code=499)
+        raise
     texts = []
     for c in completions:
         text = call.choice_text()
@@ -274,6 +283,14 @@ async def _complete(call: _Call, request: Request) -> Response:
         texts.append(text)
     call.record(completions, aborted=False, texts=texts)
     await stored(call.state)
+    return completions, texts
+
+
+async def _complete(call: ChatCall, request: Request) -> Response:
+    try:
+        completions, texts = await sample(call, request)
+    except ClientDisconnected:
+        return Response(status_code=499)
     choices = []
     for i, (c, text) in enumerate(zip(completions, texts, strict=True)):
         message: dict = {"role": "assistant", "content": text.content, "refusal": None}
@@ -300,7 +317,7 @@ async def _complete(call: _Call, request: Request) -> Response:
     )
 
 
-def _chunk(call: _Call, choices: list[dict], usage: bool) -> dict:
+def _chunk(call: ChatCall, choices: list[dict], usage: bool) -> dict:
     out = {
         "id": call.id,
         "object": "chat.completion.chunk",
@@ -327,7 +344,7 @@ def _event_deltas(text: ChoiceText, events: list[ParseEvent]) -> list[dict]:
     return deltas
 
 
-async def _stream(call: _Call, request: Request) -> AsyncIterator[bytes]:
+async def _stream(call: ChatCall, request: Request) -> AsyncIterator[bytes]:
     req = call.req
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     texts = [call.choice_text() for _ in range(req.n)]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from agentrl.models.vision import VisionProcessor, vision_processor
 from servers.deps import GenerateEngine, Tokenizer
 from servers.render import ChatRenderer
-from servers.sessions import SessionStore
+from servers.sessions import ResponseHistory, SessionStore
 from servers.tools import ToolParserFactory, get_tool_parser
 
 
@@ -74,6 +74,7 @@ class ProxyState:
     skip_ids: frozenset[int]
     created: int = field(default_factory=lambda: int(time.time()))
     in_flight: int = 0
+    responses: ResponseHistory = field(default_factory=ResponseHistory)
 
     @classmethod
     def build(

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from servers.errors import APIError, error_bytes, error_headers
 
-_GENERATION_SUFFIXES = ("/chat/completions", "/completions")
+_GENERATION_SUFFIXES = ("/chat/completions", "/completions", "/responses")
 _OPEN_PATHS = ("/health", "/v1/models")
 
 

@@ -19,6 +19,7 @@ that is how `servers.durable.SqliteSessionStore` keeps sessions across restarts.
 
 from __future__ import annotations
 
+import collections
 import copy
 import hashlib
 import json
@@ -67,6 +68,34 @@ def _canonical(args: str | dict) -> str:
         except ValueError:
             return args
     return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+class ResponseHistory:
+    """The conversations behind recent Responses-API answers, for `previous_response_id`: each
+    response id maps to its session and the chat messages up to and including its output.
+
+    In memory and bounded (the oldest are forgotten first): a client that needs a conversation
+    to outlive the server sends its items again, which merge by their sampled tokens anyway."""
+
+    def __init__(self, max_entries: int = 10_000) -> None:
+        self.max_entries = max_entries
+        self._entries: collections.OrderedDict[str, tuple[str | None, list[dict]]] = (
+            collections.OrderedDict())
+        self._lock = threading.Lock()
+
+    def put(self, response_id: str, session_id: str | None, messages: list[dict]) -> None:
+        with self._lock:
+            self._entries[response_id] = (session_id, messages)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+    def get(self, response_id: str, session_id: str | None) -> list[dict] | None:
+        """The conversation of `response_id` if it was answered in this session."""
+        with self._lock:
+            entry = self._entries.get(response_id)
+        if entry is None or entry[0] != session_id:
+            return None
+        return copy.deepcopy(entry[1])
 
 
 class StoreError(RuntimeError):
