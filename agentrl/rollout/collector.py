@@ -25,6 +25,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -258,6 +259,36 @@ def _derive_seed(seed: int | None, ep: _Episode, turn: int) -> int | None:
 
 
 def _progress_bar(total: int, desc: str) -> Any:
+    if _in_ray_worker():
+        return _DriverDrawnBar(total, desc)
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, unit="ep", dynamic_ncols=True)
+
+
+def _in_ray_worker() -> bool:
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return False
+    return bool(ray._private.worker.global_worker.mode == ray.WORKER_MODE)
+
+
+class _DriverDrawnBar:
+    """A progress bar in a Ray worker, drawn by the driver (Ray's tqdm_ray): a plain tqdm
+    there reaches the terminal through the worker's log, one prefixed line per refresh."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        from ray.experimental.tqdm_ray import tqdm
+
+        self._desc = desc
+        self._bar = tqdm(total=total, desc=desc, unit="ep")
+
+    def set_postfix(self, **values: object) -> None:
+        shown = ", ".join(f"{k}={v}" for k, v in values.items())
+        self._bar.set_description(f"{self._desc} {shown}")
+
+    def update(self, n: int = 1) -> None:
+        self._bar.update(n)
+
+    def close(self) -> None:
+        self._bar.close()

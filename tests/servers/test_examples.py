@@ -33,3 +33,20 @@ def test_openai_agents_sdk_example_records_trajectories():
     )
     assert len(episodes) >= 2, out.stdout
     assert all(int(tokens) > 0 for tokens, _, _ in episodes)
+
+
+@pytest.mark.slow
+def test_langchain_example_records_trajectories():
+    """#17 item 7: the LangChain example runs as written, its dependency in the `examples`
+    extra that set-up installs."""
+    pytest.importorskip("langchain_openai")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "proxy_langchain.py"), "--model", "tiny"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    episodes = re.findall(r"^ep\d+-\S+: (\d+) turns, drift=(\w+), (\d+) tokens$", out.stdout,
+                          re.MULTILINE)
+    assert len(episodes) == 2, out.stdout
+    assert all(turns == "2" and drift == "False" for turns, drift, _ in episodes), out.stdout

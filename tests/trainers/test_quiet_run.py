@@ -30,3 +30,20 @@ def test_a_run_prints_nothing_unasked(tmp_path):
     assert done.returncode == 0, done.stderr
     for noise in ("real_accelerator", "Writing model shards", "Started a local Ray"):
         assert noise not in done.stderr + done.stdout, done.stderr
+
+
+def test_the_eval_bar_of_a_ray_worker_is_drawn_by_the_driver(tmp_path):
+    """#17 item 7: the eval's progress bar ran inside the policy actor and reached the terminal
+    through Ray's log forwarding, one `(PolicyWorker pid=...)` line per refresh."""
+    ray_tmp = Path("/tmp") / f"agentrl-bar-{os.getpid()}"
+    env = {**os.environ, "AGENTRL_RAY_TMP": str(ray_tmp)}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "agentrl.cli", "train", "--env", "reverse", "--actor.model",
+             "tiny", "--steps", "1", "--eval_problems", "8", "--run_dir", str(tmp_path / "run"),
+             "--tensorboard", "false"], env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert done.returncode == 0, done.stderr
+    assert "eval tok_s=" in done.stderr, done.stderr  # the bar, drawn by the driver
+    assert "PolicyWorker" not in done.stderr, done.stderr
