@@ -34,7 +34,7 @@ def build_config(argv: list[str]) -> TrainConfig:
         file_cfg = json.loads(path.read_text())
     dataset = any(a == "--dataset.path" or a.startswith("--dataset.path=") for a in argv)
     env = known.env or file_cfg.get("env") or ("single-turn" if dataset else TrainConfig().env)
-    rest = _bool_values(_drop_flag(argv, "--config"))
+    rest = bool_values(_drop_flag(argv, "--config"))
 
     import tyro
 
@@ -83,7 +83,7 @@ def _bool_flags(cls: type, prefix: str = "--") -> set[str]:
     return flags
 
 
-def _bool_values(argv: list[str]) -> list[str]:
+def bool_values(argv: list[str]) -> list[str]:
     """Accept any case for boolean values (`--use_ray false`), as tyro takes only True/False."""
     flags, out = _bool_flags(TrainConfig), []
     for i, a in enumerate(argv):

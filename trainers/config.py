@@ -473,16 +473,14 @@ class TrainConfig:
         if not single:
             raise ValueError(f"--dataset trains the single-turn env, but --env is {self.env}; "
                              f"drop --env (or pass --env single-turn)")
-        from agentrl.envs.reward import load_rows, reward_fn_from_spec
+        from agentrl.data import read_rows
+        from agentrl.envs.reward import reward_fn_from_spec
 
         for path in filter(None, (self.dataset.path, self.dataset.eval_path)):
-            rows = load_rows(path)
-            if not rows:
-                raise ValueError(f"--dataset {path} holds no rows")
-            if self.dataset.prompt_key not in rows[0]:
-                raise ValueError(f"{path}: rows have no {self.dataset.prompt_key!r} column "
-                                 f"(columns: {sorted(rows[0])}); name the prompt column with "
-                                 f"--dataset.prompt_key")
+            # Every row is read and checked here, before any model loads (the key's flag:
+            # --dataset.prompt_key).
+            read_rows(path, keys={self.dataset.prompt_key: "--dataset.prompt_key"},
+                      what="--dataset")
         if self.reward_fn:
             reward_fn_from_spec(self.reward_fn)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from agentrl.data import read_rows
 from agentrl.envs.chat import ChatEnv, StepResult
 from agentrl.envs.template import Message
 from agentrl.plugins import load_callable, load_module_file
@@ -51,7 +52,8 @@ class RewardEnv(ChatEnv):
         label_key: str = "label",
         system_prompt: str | None = None,
     ) -> None:
-        self.rows = load_rows(dataset) if isinstance(dataset, str | Path) else list(dataset)
+        self.rows = (read_rows(dataset, what="dataset").rows
+                     if isinstance(dataset, str | Path) else list(dataset))
         if not self.rows:
             raise ValueError("RewardEnv needs a non-empty dataset")
         for i, row in enumerate(self.rows):
@@ -156,27 +158,6 @@ def _first(x: Any) -> Any:
     if hasattr(x, "tolist"):
         x = x.tolist()
     return x[0] if isinstance(x, list | tuple) else x
-
-
-def load_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Read a .jsonl or .json (list of objects) file of dataset rows."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"dataset file {str(path)!r} does not exist")
-    text = path.read_text()
-    if path.suffix == ".json":
-        rows = json.loads(text)
-    else:
-        rows = []
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: invalid JSON: {e}") from e
-    if not all(isinstance(r, dict) for r in rows):
-        raise ValueError(f"{path}: every row must be a JSON object")
-    return rows
 
 
 def reward_fn_from_spec(spec: str, **remote: Any) -> RewardFn:

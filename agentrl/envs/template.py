@@ -269,6 +269,16 @@ class ChatTemplateBridge:
                 )
         return self._vision.expand(ids, images)
 
+    def action_ids(self, text: str) -> list[int]:
+        """The tokens of an assistant turn saying `text`, as a policy that wrote it samples
+        them: the text's canonical tokenization (special-token spellings stay text) and the
+        end-of-turn token. What supervised fine-tuning trains on."""
+        escaper = self._plain.escaper()
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if not isinstance(eos, int):
+            eos = min(self.eos_ids)
+        return self._plain.encode(escaper.text(text), escaper) + [eos]
+
     def split_action(self, action_ids: Sequence[int]) -> tuple[str, bool]:
         """Decode the policy's action to message text; say whether it closed its turn itself."""
         ids = list(action_ids)
