@@ -1,0 +1,279 @@
+"""`agentrl dpo`: preference optimisation with DPO, conservative DPO or IPO.
+
+    agentrl dpo --dataset pairs.jsonl                    # rows {"prompt", "chosen", "rejected"}
+    agentrl dpo --dataset pairs.jsonl --loss ipo --beta 0.5
+    agentrl dpo --dataset pairs.jsonl --label_smoothing 0.1   # conservative DPO
+
+A row's prompt is text (a user message) or a list of chat messages; `chosen` and `rejected` are
+the two replies, as text or as an assistant message (or a one-message list, as conversational
+preference datasets store them). Each reply is tokenized as `agentrl sft` tokenizes an
+assistant turn (the chat-template bridge: what a policy writing it samples), after the prompt
+rendered as an environment renders it; the log-likelihood of a reply is the sum over its tokens.
+
+The reference log-likelihoods are computed once, before the first update, with the reference
+model: `--ref_model` or, by default, the initial policy itself. No second copy of the model is
+kept while training. The losses are `agentrl.algorithms.preference.preference_loss`; reported
+are the loss, the implicit rewards beta * (log pi - log pi_ref) of chosen and rejected replies,
+their margin and the reward accuracy (the share of pairs ranked right), for the training steps
+and the held-out pairs (`eval/...`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from trainers.config import _DEFER, ActorConfig
+from trainers.offline import (
+    OfflineConfig,
+    OfflineTrainer,
+    cli_main,
+    held_out,
+    resume_point,
+    run_offline,
+    truncate,
+)
+from trainers.sft import assistant_text
+
+
+@dataclass(frozen=True, kw_only=True)
+class DPOConfig(OfflineConfig):
+    """`agentrl dpo` flags."""
+
+    prompt_key: str = "prompt"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    loss: Literal["dpo", "ipo"] = "dpo"
+    beta: float = 0.1
+    """DPO's beta (the KL strength); IPO's tau."""
+    label_smoothing: float = 0.0
+    """Conservative DPO: the probability that a label is wrong (0: plain DPO)."""
+    ref_model: str | None = None
+    """The reference model (default: the initial --actor.model)."""
+    actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-6))
+    batch_size: int = 8
+    """Pairs per optimizer step."""
+    micro_batch_size: int = 4
+    """Pairs per forward/backward pass."""
+    run_dir: str = "runs/dpo"
+
+    def __post_init__(self) -> None:
+        if _DEFER.get():
+            return
+        super().__post_init__()
+        if self.dataset is None:
+            raise ValueError("give --dataset: preference pairs (rows with prompt, chosen and "
+                             "rejected)")
+        if self.beta <= 0:
+            raise ValueError(f"--beta must be > 0, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"--label_smoothing must be in [0, 0.5), got "
+                             f"{self.label_smoothing}")
+        if self.loss == "ipo" and self.label_smoothing:
+            raise ValueError("--label_smoothing is conservative DPO's; --loss ipo takes none")
+
+
+@dataclass
+class Pair:
+    chosen: Any
+    """The prompt and the chosen reply, as a trajectory (the reply is its one turn)."""
+    rejected: Any
+    ref_chosen: float = 0.0
+    """log pi_ref(chosen | prompt)."""
+    ref_rejected: float = 0.0
+
+
+def _prompt_messages(prompt: Any, where: str) -> list[dict]:
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        if prompt[-1].get("role") == "assistant":
+            raise ValueError(f"{where}: the prompt ends with an assistant message; the replies "
+                             f"belong in chosen and rejected")
+        return prompt
+    raise ValueError(f"{where}: the prompt must be text or a list of chat messages")
+
+
+def _reply(value: Any, where: str) -> str:
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    return assistant_text(value, where)
+
+
+def pair_of(bridge: Any, row: dict, cfg: DPOConfig, where: str) -> Pair:
+    from agentrl.types import TrajectoryBuilder
+
+    messages = _prompt_messages(row[cfg.prompt_key], where)
+    chosen = _reply(row[cfg.chosen_key], f"{where} ({cfg.chosen_key})")
+    rejected = _reply(row[cfg.rejected_key], f"{where} ({cfg.rejected_key})")
+    if chosen == rejected:
+        raise ValueError(f"{where}: chosen and rejected are the same reply; a pair needs two "
+                         f"different ones")
+    prompt_ids = bridge.prompt_ids(messages)
+
+    def trajectory(text: str) -> Any:
+        b = TrajectoryBuilder()
+        b.add_observation(prompt_ids)
+        b.add_action(bridge.action_ids(text), None)
+        return b.build(terminated=True, truncated=False)
+
+    return Pair(trajectory(chosen), trajectory(rejected))
+
+
+@dataclass
+class DPOData:
+    train: list[Pair]
+    eval: list[Pair]
+    skipped: int = 0
+    truncated: int = 0
+
+
+def load_pairs(cfg: DPOConfig, tokenizer: Any) -> DPOData:
+    """Every pair, tokenized and checked, before any model loads."""
+    from agentrl.data import read_rows
+    from agentrl.envs.template import ChatTemplateBridge
+
+    bridge = ChatTemplateBridge(tokenizer)
+    keys = {cfg.prompt_key: "--prompt_key", cfg.chosen_key: "--chosen_key",
+            cfg.rejected_key: "--rejected_key"}
+    out = DPOData([], [])
+    sources = [(cfg.dataset, False)] + ([(cfg.eval_dataset, True)] if cfg.eval_dataset else [])
+    for path, is_eval in sources:
+        assert path is not None
+        rows = read_rows(path, keys=keys, on_bad=cfg.bad_rows,
+                         what="--eval_dataset" if is_eval else "--dataset")
+        out.skipped += len(rows.skipped)
+        for row, where in zip(rows.rows, rows.where, strict=True):
+            try:
+                pair = pair_of(bridge, row, cfg, where)
+            except ValueError as e:
+                if cfg.bad_rows == "stop":
+                    raise ValueError(f"{e} (skip such rows with --bad_rows skip)") from None
+                out.skipped += 1
+                continue
+            held = is_eval or (not cfg.eval_dataset and held_out(row, cfg.eval_fraction))
+            (out.eval if held else out.train).append(pair)
+    if not out.train:
+        raise ValueError(f"--dataset {cfg.dataset}: no training pairs left (all held out or "
+                         f"skipped); lower --eval_fraction or fix the rows")
+    out.truncated = truncate([t for p in out.train + out.eval for t in (p.chosen, p.rejected)],
+                             cfg.max_len)
+    return out
+
+
+class DPOTrainer(OfflineTrainer):
+    kind = "dpo"
+
+    def __init__(self, cfg: DPOConfig, data: DPOData, tokenizer: Any) -> None:
+        super().__init__(cfg, data.train, data.eval, tokenizer)
+        self.dcfg = cfg
+        self._reference_logprobs(data.train + data.eval)
+
+    def _reference_logprobs(self, pairs: list[Pair]) -> None:
+        """log pi_ref of every reply, once: with the initial policy (this trainer's model
+        before any update) or the --ref_model."""
+        import torch
+
+        module, backend = self.backend.module, None
+        if self.dcfg.ref_model is not None and self.dcfg.ref_model != self.cfg.actor.model:
+            from agentrl.backends import DistSpec, create_backend, resolve_backend_name
+            from agentrl.models import load_model
+
+            backend = create_backend(resolve_backend_name(self.cfg.backend, self.device),
+                                     DistSpec())
+            backend.setup(load_model(self.dcfg.ref_model, dtype=self.cfg.actor.dtype).eval(),
+                          None, self.device)
+            module = backend.module
+        step = self.cfg.micro_batch_size
+        with torch.no_grad():
+            for i in range(0, len(pairs), step):
+                chunk = pairs[i : i + step]
+                values = self._sequence_logprobs(module, chunk)
+                for p, (c, r) in zip(chunk, values.view(-1, 2).tolist(), strict=True):
+                    p.ref_chosen, p.ref_rejected = c, r
+        del backend
+
+    def _sequence_logprobs(self, module: Any, pairs: list[Pair]) -> Any:
+        """log pi(reply | prompt) of each pair's chosen and rejected reply, `[2P]` in order."""
+        from agentrl.algorithms.preference import sequence_logprobs
+
+        batch = self.batch([t for p in pairs for t in (p.chosen, p.rejected)])
+        [(idx, n)] = batch.micro_batches(list(range(batch.size)), batch.size)
+        logp = self.logprobs(module, batch, (idx, n))
+        return sequence_logprobs(logp, batch.mask[idx, : n - 1])
+
+    def _loss(self, module: Any, pairs: list[Pair]) -> tuple[Any, Any]:
+        import torch
+
+        from agentrl.algorithms.preference import preference_loss
+
+        seq = self._sequence_logprobs(module, pairs)
+        ref = torch.tensor([[p.ref_chosen, p.ref_rejected] for p in pairs], device=seq.device)
+        out = preference_loss(seq[0::2], seq[1::2], ref[:, 0], ref[:, 1], beta=self.dcfg.beta,
+                              kind=self.dcfg.loss, label_smoothing=self.dcfg.label_smoothing)
+        return out.loss_B, out
+
+    def train_step(self, items: list[Pair]) -> dict[str, float]:
+        import time
+
+        t0 = time.perf_counter()
+        num_pairs = float(len(items))
+        sums = {"loss": 0.0, "chosen": 0.0, "rejected": 0.0, "correct": 0.0}
+
+        def loss_fn(module: Any, pairs: list[Pair]) -> tuple[Any, dict[str, float]]:
+            loss_B, out = self._loss(module, pairs)
+            return loss_B.sum() / num_pairs, _pair_sums(loss_B, out)
+
+        step = self.cfg.micro_batch_size
+        for i in range(0, len(items), step):
+            m = self.backend.forward_backward(items[i : i + step], loss_fn)
+            for k in sums:
+                sums[k] += m[k]
+        stats = self.backend.optimizer_step()
+        return {**_pair_metrics(sums, num_pairs), "pairs": num_pairs,
+                "epoch": float(self.epoch), "time_step": time.perf_counter() - t0, **stats}
+
+    def evaluate(self) -> dict[str, float]:
+        import torch
+
+        if not self.held:
+            return {}
+        sums = {"loss": 0.0, "chosen": 0.0, "rejected": 0.0, "correct": 0.0}
+        with torch.no_grad():
+            for i in range(0, len(self.held), self.cfg.micro_batch_size):
+                loss_B, out = self._loss(self.backend.module,
+                                         self.held[i : i + self.cfg.micro_batch_size])
+                for k, v in _pair_sums(loss_B, out).items():
+                    sums[k] += v
+        return _pair_metrics(sums, float(len(self.held)))
+
+
+def _pair_sums(loss_B: Any, out: Any) -> dict[str, float]:
+    c, r = out.chosen_reward_B, out.rejected_reward_B
+    correct = (c > r).float() + 0.5 * (c == r).float()
+    return {"loss": float(loss_B.detach().sum()), "chosen": float(c.sum()),
+            "rejected": float(r.sum()), "correct": float(correct.sum())}
+
+
+def _pair_metrics(sums: dict[str, float], n: float) -> dict[str, float]:
+    n = max(n, 1.0)
+    return {"loss": sums["loss"] / n, "rewards/chosen": sums["chosen"] / n,
+            "rewards/rejected": sums["rejected"] / n,
+            "rewards/margin": (sums["chosen"] - sums["rejected"]) / n,
+            "rewards/accuracy": sums["correct"] / n}
+
+
+def run_dpo(cfg: DPOConfig) -> dict[str, Any]:
+    from agentrl.models import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.actor.model)
+    data = load_pairs(cfg, tokenizer)
+    resume = resume_point(cfg)
+    summary: dict[str, Any] = {"run_dir": cfg.run_dir, "train_pairs": len(data.train),
+                               "eval_pairs": len(data.eval), "skipped": data.skipped,
+                               "truncated": data.truncated}
+    return run_offline(cfg, DPOTrainer(cfg, data, tokenizer), resume, summary)
+
+
+def main(argv: list[str]) -> int:
+    return cli_main(DPOConfig, run_dpo, "agentrl dpo", __doc__, argv)

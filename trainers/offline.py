@@ -1,0 +1,295 @@
+"""What the offline trainers (`agentrl sft`, `agentrl dpo`) share: their common flags, one
+model behind one training backend, steps over a shuffled dataset, held-out evaluation,
+checkpoints with exact resume, metrics and the final Hugging Face export.
+
+The update is the RL trainer's machinery: the same backends (`--backend`), packing, log-prob
+function (`trainers.logprobs.token_logprobs`), checkpoints, MetricsLogger (metrics.jsonl,
+TensorBoard, W&B; `agentrl plot`) and progress bar. A trainer implements `train_step` (one
+optimizer step on a list of examples) and `evaluate` (metrics of the held-out examples).
+One process: the distributed backends run as one rank here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from trainers.config import _DEFER, ActorConfig, deferred_validation
+
+C = TypeVar("C", bound="OfflineConfig")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OfflineConfig:
+    """Flags every offline trainer takes."""
+
+    dataset: str | None = None
+    """A .jsonl, .json or .parquet file or a `datasets` save_to_disk directory."""
+    eval_dataset: str | None = None
+    """Held-out rows (default: --eval_fraction of --dataset, picked by content hash)."""
+    eval_fraction: float = 0.05
+    """Share of --dataset held out when there is no --eval_dataset."""
+    bad_rows: Literal["stop", "skip"] = "stop"
+    """A row that is not JSON or lacks its keys: stop with its line number, or skip and count."""
+    actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-5))
+    backend: str = "auto"
+    """Training backend (agentrl/backends): local, cpu, fsdp2, deepspeed or auto."""
+    epochs: int = 1
+    max_steps: int = 0
+    """Stop after this many optimizer steps (0: after --epochs)."""
+    batch_size: int = 16
+    """Examples per optimizer step."""
+    micro_batch_size: int = 8
+    """Examples per forward/backward pass (gradients accumulate over a step)."""
+    max_len: int = 2048
+    """Longer sequences are cut to this many tokens (counted in `truncated`)."""
+    packing: bool = True
+    """Concatenate a micro-batch's sequences into one, without padding."""
+    eval_every: int = 0
+    """Also evaluate every N steps (always before and after)."""
+    save_every: int = 0
+    """Save a checkpoint every N steps (one is always saved at the end)."""
+    keep_last: int = 2
+    resume: str | None = None
+    """A checkpoint directory, or `auto` for the run directory's latest."""
+    seed: int = 0
+    run_dir: str = "runs/latest"
+    tensorboard: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if _DEFER.get():
+            return
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"--eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        for name in ("epochs", "batch_size", "micro_batch_size", "max_len", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_steps < 0 or self.eval_every < 0 or self.save_every < 0:
+            raise ValueError("--max_steps, --eval_every and --save_every must be >= 0")
+
+
+def held_out(row: Any, fraction: float) -> bool:
+    """Whether `row` belongs to the held-out split: by a hash of its content, so equal rows
+    land on the same side and the split does not depend on the file's order."""
+    digest = hashlib.sha256(json.dumps(row, sort_keys=True, default=str).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def truncate(trajs: Sequence[Any], max_len: int) -> int:
+    """Cut sequences to `max_len` tokens (turns past the cut are dropped); returns how many."""
+    from agentrl.types import Turn
+
+    cut = 0
+    for t in trajs:
+        if len(t.token_ids) <= max_len:
+            continue
+        cut += 1
+        t.token_ids, t.loss_mask = t.token_ids[:max_len], t.loss_mask[:max_len]
+        t.logprobs = t.logprobs[:max_len]
+        t.turns = [Turn(obs_start=x.obs_start, start=x.start, end=min(x.end, max_len),
+                        reward=x.reward, policy_version=x.policy_version,
+                        finish_reason="length" if x.end > max_len else x.finish_reason)
+                   for x in t.turns if x.start < max_len]
+        t.images = [im for im in t.images if im.end <= max_len]
+    return cut
+
+
+class OfflineTrainer:
+    """One model behind one backend, trained on `train` examples by steps of --batch_size."""
+
+    kind = "offline"
+    """Names the trainer in its checkpoints (a resume checks it)."""
+
+    def __init__(self, cfg: OfflineConfig, train: list[Any], held: list[Any],
+                 tokenizer: Any) -> None:
+        import torch
+
+        from agentrl.backends import (
+            DistSpec,
+            OptimizerSpec,
+            create_backend,
+            resolve_backend_name,
+            resolve_device,
+        )
+        from agentrl.models import load_model
+        from trainers.config import TrainConfig
+
+        torch.manual_seed(cfg.seed)
+        self.cfg, self.train, self.held, self.tokenizer = cfg, train, held, tokenizer
+        a = cfg.actor
+        self.device = resolve_device(a.device)
+        self.model = load_model(a.model, dtype=a.dtype).train()
+        if a.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.backend = create_backend(resolve_backend_name(cfg.backend, self.device), DistSpec())
+        self.backend.setup(self.model, OptimizerSpec(
+            lr=a.lr, betas=a.betas, weight_decay=a.weight_decay, warmup_steps=a.warmup_steps,
+            max_grad_norm=a.max_grad_norm), self.device)
+        # The log-prob function's settings, as the RL trainer passes them (temperature 1).
+        self.tcfg = TrainConfig(actor=a, backend=cfg.backend, packing=cfg.packing,
+                                share_prefixes=False, micro_batch_size=cfg.micro_batch_size,
+                                use_ray=False, seed=cfg.seed)
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else tokenizer.eos_token_id)
+        per_epoch = math.ceil(len(train) / cfg.batch_size)
+        self.total_steps = cfg.max_steps or per_epoch * cfg.epochs
+        self.step, self.epoch, self.pos = 0, 0, 0
+        self.order = self._epoch_order(0)
+
+    # ---------------------------------------------------------------- what a trainer adds
+    def train_step(self, items: list[Any]) -> dict[str, float]:
+        raise NotImplementedError
+
+    def evaluate(self) -> dict[str, float]:
+        """Metrics of the held-out examples (empty without any)."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- data
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.train)))
+        random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next_items(self) -> list[Any]:
+        """The next --batch_size examples of the epoch's shuffled order (an epoch's last step
+        may be shorter: steps never mix two epochs)."""
+        if self.pos >= len(self.order):
+            self.epoch += 1
+            self.order, self.pos = self._epoch_order(self.epoch), 0
+        take = self.order[self.pos : self.pos + self.cfg.batch_size]
+        self.pos += len(take)
+        return [self.train[i] for i in take]
+
+    def batch(self, trajs: Sequence[Any]) -> Any:
+        from trainers.batch import collate
+
+        return collate(list(trajs), self.pad_id).to(self.device)
+
+    def logprobs(self, module: Any, batch: Any, rows: Any) -> Any:
+        """Log-probs of the target tokens of `rows` under `module`, `[m, n-1]` (0 elsewhere)."""
+        from trainers.logprobs import token_logprobs
+
+        return token_logprobs(self.tcfg, self.backend, module, batch, rows)[0]
+
+    # ---------------------------------------------------------------- checkpoints
+    def extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def save(self) -> Path:
+        from trainers.checkpoint import rng_state, save_checkpoint
+
+        state = {"backend": self.backend.state_dict(), "rng": rng_state(),
+                 "extra": self.extra_state()}
+        trainer = {"step": self.step, "epoch": self.epoch, "pos": self.pos,
+                   "order": self.order, "kind": self.kind}
+        return save_checkpoint(self.cfg.run_dir, self.step, state, trainer,
+                               keep=self.cfg.keep_last)
+
+    def restore(self, path: Path) -> None:
+        from trainers.checkpoint import load_checkpoint, set_rng_state
+
+        state, trainer, _ = load_checkpoint(path)
+        if trainer.get("kind") != self.kind:
+            raise ValueError(f"{path} is not an `agentrl {self.kind}` checkpoint (it is "
+                             f"{trainer.get('kind', 'an RL run')}'s)")
+        self.backend.load_state_dict(state["backend"])
+        set_rng_state(state["rng"])
+        self.load_extra_state(state.get("extra", {}))
+        self.step, self.epoch, self.pos = trainer["step"], trainer["epoch"], trainer["pos"]
+        self.order = list(trainer["order"])
+
+    def export_hf(self, path: Path) -> None:
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
+
+def resume_point(cfg: OfflineConfig) -> Path | None:
+    from trainers.checkpoint import latest_checkpoint
+
+    if cfg.resume is None:
+        return None
+    found = latest_checkpoint(cfg.run_dir) if cfg.resume == "auto" else Path(cfg.resume)
+    if found is None:
+        raise ValueError(f"--resume auto: no checkpoint in {cfg.run_dir}/checkpoints")
+    return found
+
+
+def run_offline(cfg: OfflineConfig, trainer: OfflineTrainer, resume: Path | None,
+                summary: dict[str, Any]) -> dict[str, Any]:
+    """Train to the end, evaluating before, every --eval_every steps and after; returns the
+    summary with the evaluations, the last checkpoint and the exported model."""
+    from trainers.metrics import MetricsLogger
+
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
+    if resume is not None:
+        trainer.restore(resume)
+    log = MetricsLogger(run_dir, tensorboard=cfg.tensorboard, total_steps=trainer.total_steps,
+                        progress=cfg.progress, config=asdict(cfg))
+    try:
+        if resume is None:
+            before = {f"eval/{k}": v for k, v in trainer.evaluate().items()}
+            if before:
+                log.log(0, before)
+                summary["eval_before"] = before
+        while trainer.step < trainer.total_steps:
+            metrics = trainer.train_step(trainer.next_items())
+            trainer.step += 1
+            if cfg.eval_every and trainer.step % cfg.eval_every == 0:
+                metrics.update({f"eval/{k}": v for k, v in trainer.evaluate().items()})
+            log.log(trainer.step, metrics)
+            log.progress(trainer.step, metrics)
+            if cfg.save_every and trainer.step % cfg.save_every == 0:
+                trainer.save()
+        after = {f"eval/{k}": v for k, v in trainer.evaluate().items()}
+        if after:
+            log.log(trainer.step, after)
+            summary["eval_after"] = after
+        summary["checkpoint"] = str(trainer.save())
+        trainer.export_hf(run_dir / "hf")
+        summary["hf_model"] = str(run_dir / "hf")
+        summary["steps"] = trainer.step
+    finally:
+        log.close()
+    return summary
+
+
+def cli_main(config_cls: type[C], run: Callable[[C], dict[str, Any]], prog: str,
+             doc: str | None, argv: list[str]) -> int:
+    """Parse `argv` into `config_cls` (checked once, with the flags applied), run, print the
+    summary; a ValueError is a clear message and exit code 2."""
+    import tyro
+
+    from trainers.cli import bool_values, quiet_third_party
+
+    try:
+        with deferred_validation():
+            cfg = tyro.cli(config_cls, args=bool_values(argv), prog=prog, description=doc,
+                           config=(tyro.conf.FlagConversionOff,), use_underscores=True)
+        cfg.actor.__post_init__()
+        cfg.__post_init__()
+    except ValueError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    quiet_third_party()
+    try:
+        summary = run(cfg)
+    except ValueError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2))
+    return 0
+
