@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("trainers.sft:main",
             "supervised fine-tuning on chat data or on agentrl trajectories (rejection sampling)"),
     "dpo": ("trainers.dpo:main", "preference optimisation: DPO, conservative DPO, IPO"),
+    "rm": ("trainers.rm:main", "train a pairwise (Bradley-Terry) reward model"),
     "eval": ("agentrl.rollout.evaluate:main", "evaluate a model on an environment: pass@1, pass@k"),
     "rollout": ("agentrl.rollout.cli:main", "sample trajectories from an env and write JSON lines"),
     "serve": ("servers.cli:main", "serve a model through the recording OpenAI-compatible proxy"),

@@ -131,6 +131,9 @@ class AlgoConfig:
     """PPO value-loss clip."""
     critic_lr: float = 1e-5
     """Critic learning rate (gae only)."""
+    critic_init: str | None = None
+    """Start the PPO critic (gae) from a reward model trained by `agentrl rm` (its
+    RUN_DIR/reward_model; same tokenizer as the policy) instead of the policy with a zero head."""
     overlong_buffer: int = 0
     """DAPO overlong penalty buffer in tokens (0 = off)."""
     overlong_factor: float = 1.0
@@ -152,6 +155,15 @@ class AlgoConfig:
             raise ValueError(f"--algo.dual_clip must be > 1, got {self.dual_clip}")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError("--algo.kl_coef and --algo.entropy_coef must be >= 0")
+        if self.critic_init is not None:
+            from trainers.rm import MARKER
+
+            if self.estimator != "gae":
+                raise ValueError("--algo.critic_init starts PPO's critic; it needs "
+                                 "--algo.estimator gae")
+            if not (Path(self.critic_init) / MARKER).is_file():
+                raise ValueError(f"--algo.critic_init {self.critic_init}: not a reward model "
+                                 f"saved by `agentrl rm` (RUN_DIR/reward_model)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -268,10 +280,16 @@ class DatasetConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RewardConfig:
-    """A reward service (`agentrl reward-serve`) scoring single-turn episodes over HTTP."""
+    """What scores single-turn episodes instead of --reward_fn: a reward service
+    (`agentrl reward-serve`) over HTTP, or a reward model trained by `agentrl rm`."""
 
     url: str | None = None
     """e.g. http://127.0.0.1:8001/score; instead of --reward_fn."""
+    model: str | None = None
+    """A reward model directory (`agentrl rm`'s RUN_DIR/reward_model), scored in its own Ray
+    actor in batches; instead of --reward_fn."""
+    num_gpus: float = 0.0
+    """GPUs for the reward model's actor (0: it runs on the CPU)."""
     timeout_s: float = 30.0
     """Longest wait for one batch's answer."""
     retries: int = 2
@@ -284,6 +302,17 @@ class RewardConfig:
             return
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"--reward.url must be an http(s) URL, got {self.url!r}")
+        if self.url is not None and self.model is not None:
+            raise ValueError("pass --reward.url (a reward service) or --reward.model (a reward "
+                             "model), not both")
+        if self.model is not None:
+            from trainers.rm import MARKER
+
+            if not (Path(self.model) / MARKER).is_file():
+                raise ValueError(f"--reward.model {self.model}: not a reward model saved by "
+                                 f"`agentrl rm` (it is RUN_DIR/reward_model, with {MARKER})")
+        if self.num_gpus < 0:
+            raise ValueError(f"--reward.num_gpus must be >= 0, got {self.num_gpus}")
         if not self.timeout_s > 0 or self.retries < 0 or self.max_batch < 1:
             raise ValueError("--reward.timeout_s must be > 0, --reward.retries >= 0 and "
                              "--reward.max_batch >= 1")
@@ -460,16 +489,18 @@ class TrainConfig:
         """--dataset and --reward_fn go together, with the single-turn env; the file, its
         prompt column and the reward function are checked here, before any model loads."""
         single = self.env in SINGLE_TURN_ENVS
-        if not (single or self.dataset.path or self.reward_fn or self.reward.url):
+        scorer = self.reward.url or self.reward.model
+        if not (single or self.dataset.path or self.reward_fn or scorer):
             return
-        if self.reward_fn and self.reward.url:
-            raise ValueError("pass --reward_fn (a local function) or --reward.url (a reward "
-                             "service), not both")
-        if not (self.dataset.path and (self.reward_fn or self.reward.url)):
+        if self.reward_fn and scorer:
+            raise ValueError("pass one of --reward_fn (a local function), --reward.url (a "
+                             "reward service) and --reward.model (a reward model), not several")
+        if not (self.dataset.path and (self.reward_fn or scorer)):
             raise ValueError("single-turn RL needs both --dataset data.jsonl and --reward_fn "
                              "rewards.py:score (or a bare rewards.py with OpenRLHF's "
                              "reward_func(queries, prompts, labels), or --reward.url "
-                             "http://HOST:PORT/score for an `agentrl reward-serve` service)")
+                             "http://HOST:PORT/score for an `agentrl reward-serve` service, or "
+                             "--reward.model DIR for a reward model from `agentrl rm`)")
         if not single:
             raise ValueError(f"--dataset trains the single-turn env, but --env is {self.env}; "
                              f"drop --env (or pass --env single-turn)")
@@ -488,9 +519,17 @@ class TrainConfig:
         """The single-turn env's arguments (`agentrl.envs.reward.SingleTurnEnv`)."""
         d, r = self.dataset, self.reward
         path = d.eval_path if eval_split and d.eval_path else d.path
-        remote = ({"timeout_s": r.timeout_s, "retries": r.retries, "max_batch": r.max_batch}
-                  if r.url else {})
-        return {"dataset": path, "reward_fn": r.url or self.reward_fn, "prompt_key": d.prompt_key,
+        from agentrl.envs.reward import REWARD_MODEL_PREFIX
+
+        remote: dict[str, object] = {}
+        spec = self.reward_fn
+        if r.url:
+            spec = r.url
+            remote = {"timeout_s": r.timeout_s, "retries": r.retries, "max_batch": r.max_batch}
+        elif r.model:
+            spec = REWARD_MODEL_PREFIX + str(Path(r.model).resolve())
+            remote = {"max_batch": r.max_batch, "num_gpus": r.num_gpus}
+        return {"dataset": path, "reward_fn": spec, "prompt_key": d.prompt_key,
                 "label_key": d.label_key, "system_prompt": d.system_prompt,
                 "reward_options": remote}
 

@@ -40,8 +40,14 @@ class ValueModel(torch.nn.Module):
         inner = getattr(self.backbone, "get_decoder", None)  # a text model's returns itself
         return inner() if callable(inner) else self.backbone
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, **inputs: Tensor) -> Tensor:
-        """`inputs`: a vision-language model's images and positions."""
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, at: Tensor | None = None,
+                **inputs: Tensor) -> Tensor:
+        """`inputs`: a vision-language model's images and positions. With `at` ([B] positions),
+        the value of each row's hidden state there, `[B]` (a reward model's score of a whole
+        sequence: `at` its last token)."""
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                                **inputs).last_hidden_state
+        if at is not None:
+            rows = torch.arange(hidden.shape[0], device=hidden.device)
+            return self.head(hidden[rows, at]).squeeze(-1)
         return self.head(hidden).squeeze(-1)[:, :-1]

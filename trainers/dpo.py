@@ -4,11 +4,7 @@
     agentrl dpo --dataset pairs.jsonl --loss ipo --beta 0.5
     agentrl dpo --dataset pairs.jsonl --label_smoothing 0.1   # conservative DPO
 
-A row's prompt is text (a user message) or a list of chat messages; `chosen` and `rejected` are
-the two replies, as text or as an assistant message (or a one-message list, as conversational
-preference datasets store them). Each reply is tokenized as `agentrl sft` tokenizes an
-assistant turn (the chat-template bridge: what a policy writing it samples), after the prompt
-rendered as an environment renders it; the log-likelihood of a reply is the sum over its tokens.
+The pairs are trainers/pairs.py's; the log-likelihood of a reply is the sum over its tokens.
 
 The reference log-likelihoods are computed once, before the first update, with the reference
 model: `--ref_model` or, by default, the initial policy itself. No second copy of the model is
@@ -24,25 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from trainers.config import _DEFER, ActorConfig
-from trainers.offline import (
-    OfflineConfig,
-    OfflineTrainer,
-    cli_main,
-    held_out,
-    resume_point,
-    run_offline,
-    truncate,
-)
-from trainers.sft import assistant_text
+from trainers.offline import OfflineTrainer, cli_main, resume_point, run_offline
+from trainers.pairs import Pair, PairConfig, PairData, load_pairs
 
 
 @dataclass(frozen=True, kw_only=True)
-class DPOConfig(OfflineConfig):
+class DPOConfig(PairConfig):
     """`agentrl dpo` flags."""
 
-    prompt_key: str = "prompt"
-    chosen_key: str = "chosen"
-    rejected_key: str = "rejected"
     loss: Literal["dpo", "ipo"] = "dpo"
     beta: float = 0.1
     """DPO's beta (the KL strength); IPO's tau."""
@@ -51,19 +36,14 @@ class DPOConfig(OfflineConfig):
     ref_model: str | None = None
     """The reference model (default: the initial --actor.model)."""
     actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-6))
-    batch_size: int = 8
-    """Pairs per optimizer step."""
-    micro_batch_size: int = 4
-    """Pairs per forward/backward pass."""
     run_dir: str = "runs/dpo"
 
     def __post_init__(self) -> None:
         if _DEFER.get():
             return
         super().__post_init__()
-        if self.dataset is None:
-            raise ValueError("give --dataset: preference pairs (rows with prompt, chosen and "
-                             "rejected)")
+        if self.margin_key is not None:
+            raise ValueError("--margin_key is the reward model's (agentrl rm); DPO takes none")
         if self.beta <= 0:
             raise ValueError(f"--beta must be > 0, got {self.beta}")
         if not 0.0 <= self.label_smoothing < 0.5:
@@ -73,98 +53,10 @@ class DPOConfig(OfflineConfig):
             raise ValueError("--label_smoothing is conservative DPO's; --loss ipo takes none")
 
 
-@dataclass
-class Pair:
-    chosen: Any
-    """The prompt and the chosen reply, as a trajectory (the reply is its one turn)."""
-    rejected: Any
-    ref_chosen: float = 0.0
-    """log pi_ref(chosen | prompt)."""
-    ref_rejected: float = 0.0
-
-
-def _prompt_messages(prompt: Any, where: str) -> list[dict]:
-    if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
-    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-        if prompt[-1].get("role") == "assistant":
-            raise ValueError(f"{where}: the prompt ends with an assistant message; the replies "
-                             f"belong in chosen and rejected")
-        return prompt
-    raise ValueError(f"{where}: the prompt must be text or a list of chat messages")
-
-
-def _reply(value: Any, where: str) -> str:
-    if isinstance(value, list) and len(value) == 1:
-        value = value[0]
-    return assistant_text(value, where)
-
-
-def pair_of(bridge: Any, row: dict, cfg: DPOConfig, where: str) -> Pair:
-    from agentrl.types import TrajectoryBuilder
-
-    messages = _prompt_messages(row[cfg.prompt_key], where)
-    chosen = _reply(row[cfg.chosen_key], f"{where} ({cfg.chosen_key})")
-    rejected = _reply(row[cfg.rejected_key], f"{where} ({cfg.rejected_key})")
-    if chosen == rejected:
-        raise ValueError(f"{where}: chosen and rejected are the same reply; a pair needs two "
-                         f"different ones")
-    prompt_ids = bridge.prompt_ids(messages)
-
-    def trajectory(text: str) -> Any:
-        b = TrajectoryBuilder()
-        b.add_observation(prompt_ids)
-        b.add_action(bridge.action_ids(text), None)
-        return b.build(terminated=True, truncated=False)
-
-    return Pair(trajectory(chosen), trajectory(rejected))
-
-
-@dataclass
-class DPOData:
-    train: list[Pair]
-    eval: list[Pair]
-    skipped: int = 0
-    truncated: int = 0
-
-
-def load_pairs(cfg: DPOConfig, tokenizer: Any) -> DPOData:
-    """Every pair, tokenized and checked, before any model loads."""
-    from agentrl.data import read_rows
-    from agentrl.envs.template import ChatTemplateBridge
-
-    bridge = ChatTemplateBridge(tokenizer)
-    keys = {cfg.prompt_key: "--prompt_key", cfg.chosen_key: "--chosen_key",
-            cfg.rejected_key: "--rejected_key"}
-    out = DPOData([], [])
-    sources = [(cfg.dataset, False)] + ([(cfg.eval_dataset, True)] if cfg.eval_dataset else [])
-    for path, is_eval in sources:
-        assert path is not None
-        rows = read_rows(path, keys=keys, on_bad=cfg.bad_rows,
-                         what="--eval_dataset" if is_eval else "--dataset")
-        out.skipped += len(rows.skipped)
-        for row, where in zip(rows.rows, rows.where, strict=True):
-            try:
-                pair = pair_of(bridge, row, cfg, where)
-            except ValueError as e:
-                if cfg.bad_rows == "stop":
-                    raise ValueError(f"{e} (skip such rows with --bad_rows skip)") from None
-                out.skipped += 1
-                continue
-            held = is_eval or (not cfg.eval_dataset and held_out(row, cfg.eval_fraction))
-            (out.eval if held else out.train).append(pair)
-    if not out.train:
-        raise ValueError(f"--dataset {cfg.dataset}: no training pairs left (all held out or "
-                         f"skipped); lower --eval_fraction or fix the rows")
-    out.truncated = truncate([t for p in out.train + out.eval for t in (p.chosen, p.rejected)],
-                             cfg.max_len)
-    return out
-
-
 class DPOTrainer(OfflineTrainer):
     kind = "dpo"
 
-    def __init__(self, cfg: DPOConfig, data: DPOData, tokenizer: Any) -> None:
+    def __init__(self, cfg: DPOConfig, data: PairData, tokenizer: Any) -> None:
         super().__init__(cfg, data.train, data.eval, tokenizer)
         self.dcfg = cfg
         self._reference_logprobs(data.train + data.eval)

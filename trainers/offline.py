@@ -131,7 +131,7 @@ class OfflineTrainer:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
         self.backend = create_backend(resolve_backend_name(cfg.backend, self.device), DistSpec())
-        self.backend.setup(self.model, OptimizerSpec(
+        self.backend.setup(self.trained_module(self.model), OptimizerSpec(
             lr=a.lr, betas=a.betas, weight_decay=a.weight_decay, warmup_steps=a.warmup_steps,
             max_grad_norm=a.max_grad_norm), self.device)
         # The log-prob function's settings, as the RL trainer passes them (temperature 1).
@@ -146,6 +146,10 @@ class OfflineTrainer:
         self.order = self._epoch_order(0)
 
     # ---------------------------------------------------------------- what a trainer adds
+    def trained_module(self, model: Any) -> Any:
+        """What the backend trains: the language model itself, or a module around it."""
+        return model
+
     def train_step(self, items: list[Any]) -> dict[str, float]:
         raise NotImplementedError
 

@@ -75,7 +75,10 @@ class PolicyWorker:
         # The reference model and the critic are copies of the whole model, taken before it is
         # sharded: neither an FSDP2 nor a ZeRO-3 module can be deep-copied.
         ref = copy.deepcopy(self.model) if cfg.algo.kl_coef > 0 else None
-        critic = ValueModel(copy.deepcopy(self.model)) if cfg.algo.estimator == "gae" else None
+        critic = None
+        if cfg.algo.estimator == "gae":
+            critic = (_critic_from(cfg.algo.critic_init, self.model) if cfg.algo.critic_init
+                      else ValueModel(copy.deepcopy(self.model)))
         optim = OptimizerSpec(lr=cfg.actor.lr, betas=cfg.actor.betas,
                               weight_decay=cfg.actor.weight_decay,
                               warmup_steps=cfg.actor.warmup_steps,
@@ -331,6 +334,20 @@ class PolicyWorker:
         if self._broadcast is not None:
             self._broadcast.close()
             self._broadcast = None
+
+
+def _critic_from(path: str, policy: nn.Module) -> nn.Module:
+    """A reward model as the critic's start: it reads the policy's tokens, so the two must
+    share a vocabulary."""
+    from trainers.rm import load_reward_model
+
+    critic = load_reward_model(path).train()
+    theirs = critic.config.get_text_config().vocab_size
+    ours = getattr(policy, "config").get_text_config().vocab_size  # noqa: B009 (nn.Module)
+    if theirs != ours:
+        raise ValueError(f"--algo.critic_init {path}: its vocabulary ({theirs} tokens) is not the "
+                         f"policy's ({ours}); train the reward model from the policy's model")
+    return critic
 
 
 def _backend(

@@ -165,6 +165,14 @@ def reward_fn_from_spec(spec: str, **remote: Any) -> RewardFn:
     one sample at a time, or a bare `file.py` defining OpenRLHF's batched
     `reward_func(queries, prompts, labels)`; an http(s) URL is a reward service (`RemoteReward`,
     with the `remote` options)."""
+    if spec.startswith(REWARD_MODEL_PREFIX):
+        from trainers.reward_model import ModelReward  # trainers' model code, loaded on use
+
+        key = (spec, tuple(sorted(remote.items())))
+        with _clients_lock:
+            if key not in _clients:
+                _clients[key] = ModelReward(spec[len(REWARD_MODEL_PREFIX):], **remote)
+            return _clients[key]
     if spec.startswith(("http://", "https://")):
         key = (spec, tuple(sorted(remote.items())))
         with _clients_lock:  # one client (one batching queue) per service in a process
@@ -176,7 +184,9 @@ def reward_fn_from_spec(spec: str, **remote: Any) -> RewardFn:
     return load_callable(spec, "reward_fn")
 
 
-_clients: dict[tuple[str, tuple[tuple[str, Any], ...]], RemoteReward] = {}
+REWARD_MODEL_PREFIX = "reward-model:"
+"""`reward-model:DIR` scores with a reward model trained by `agentrl rm` (`--reward.model`)."""
+_clients: dict[tuple[str, tuple[tuple[str, Any], ...]], BatchedReward] = {}
 _clients_lock = threading.Lock()
 
 
@@ -205,28 +215,27 @@ class RewardServiceError(RuntimeError):
     """The reward service did not score a sample: the episode is discarded and counted."""
 
 
-class RemoteReward:
-    """`reward_fn(prompt, response, label)` scored by an HTTP reward service
-    (`agentrl reward-serve`): POST {"items": [{"prompt", "response", "label"}, ...]} ->
-    {"rewards": [...], "infos": [...]}. Calls from concurrent episodes (env steps run in a
-    thread pool) are sent together: up to `max_batch` per request, gathered for `window_s`.
-    A timeout or 5xx is retried `retries` times; then, or on a 4xx or a malformed answer,
-    `RewardServiceError`, which ends that episode as discarded (counted, not a crashed run)."""
+class BatchedReward:
+    """`reward_fn(prompt, response, label)` whose calls from concurrent episodes (env steps run
+    in a thread pool) are scored together: up to `max_batch` at a time, gathered for
+    `window_s`, by `_score` (a subclass's). A failure ends the episodes of that batch as
+    discarded (`RewardServiceError`: counted, not a crashed run)."""
 
-    def __init__(self, url: str, *, timeout_s: float = 30.0, retries: int = 2,
-                 max_batch: int = 64, window_s: float = 0.01) -> None:
+    def __init__(self, name: str, *, max_batch: int = 64, window_s: float = 0.01,
+                 wait_s: float = 600.0) -> None:
         import queue
         import threading
 
-        self.url, self.timeout_s, self.retries = url, timeout_s, retries
-        self.max_batch, self.window_s = max_batch, window_s
-        self.__qualname__ = f"reward service {url}"  # how errors name it
-        self.requests = 0
-        """HTTP requests sent (batches and retries)."""
+        self.max_batch, self.window_s, self.wait_s = max_batch, window_s, wait_s
+        self.__qualname__ = name  # how errors name it
         self._queue: queue.SimpleQueue[tuple[dict[str, Any], Future[dict[str, Any]]]] = (
             queue.SimpleQueue())
         self._sender: threading.Thread | None = None
         self._lock = threading.Lock()
+
+    def _score(self, items: list[dict[str, Any]]) -> list[dict[str, Any] | RewardServiceError]:
+        """Each item's {"reward": float, **info}, or the error for it."""
+        raise NotImplementedError
 
     def __call__(self, prompt: Any, response: str, label: Any) -> dict[str, Any]:
         import threading
@@ -239,7 +248,7 @@ class RemoteReward:
                                                 name="agentrl-reward-client")
                 self._sender.start()
         # The sender answers every call; the bound only guards against a bug leaving one hung.
-        return done.result(timeout=(self.retries + 1) * self.timeout_s + 60)
+        return done.result(timeout=self.wait_s)
 
     def _send_loop(self) -> None:
         import queue
@@ -254,10 +263,10 @@ class RemoteReward:
                 except queue.Empty:
                     break
             try:
-                results = self._post([item for item, _ in batch])
+                results = self._score([item for item, _ in batch])
             except Exception as e:  # noqa: BLE001 - whatever it is, no episode may hang on it
                 error = e if isinstance(e, RewardServiceError) else RewardServiceError(
-                    f"reward service {self.url}: {type(e).__name__}: {e}")
+                    f"{self.__qualname__}: {type(e).__name__}: {e}")
                 for _, done in batch:
                     done.set_exception(error)
                 continue
@@ -266,6 +275,23 @@ class RemoteReward:
                     done.set_exception(result)
                 else:
                     done.set_result(result)
+
+
+class RemoteReward(BatchedReward):
+    """Scored by an HTTP reward service (`agentrl reward-serve`): POST {"items": [{"prompt",
+    "response", "label"}, ...]} -> {"rewards": [...], "infos": [...]}. A timeout or 5xx is
+    retried `retries` times; then, or on a 4xx or a malformed answer, `RewardServiceError`."""
+
+    def __init__(self, url: str, *, timeout_s: float = 30.0, retries: int = 2,
+                 max_batch: int = 64, window_s: float = 0.01) -> None:
+        super().__init__(f"reward service {url}", max_batch=max_batch, window_s=window_s,
+                         wait_s=(retries + 1) * timeout_s + 60)
+        self.url, self.timeout_s, self.retries = url, timeout_s, retries
+        self.requests = 0
+        """HTTP requests sent (batches and retries)."""
+
+    def _score(self, items: list[dict[str, Any]]) -> list[dict[str, Any] | RewardServiceError]:
+        return self._post(items)
 
     def _post(self, items: list[dict[str, Any]]) -> list[dict[str, Any] | RewardServiceError]:
         import httpx

@@ -1,0 +1,180 @@
+"""`agentrl rm`: a pairwise (Bradley-Terry) reward model.
+
+    agentrl rm --dataset pairs.jsonl                         # rows {"prompt", "chosen", "rejected"}
+    agentrl rm --dataset pairs.jsonl --margin_key margin     # -log sigmoid(r_w - r_l - m)
+    agentrl rm --dataset pairs.jsonl --loss logexp           # OpenRLHF's log(1 + exp(r_l - r_w))
+
+The model is the PPO critic's (`trainers.critic.ValueModel`: the language model's backbone and
+a scalar head); a reply's reward is the head's value at its last token (the end-of-turn token).
+The pairs are trainers/pairs.py's. Logged per step and for the held-out pairs (`eval/...`): the
+loss, the mean reward of chosen and rejected replies and the pairwise accuracy.
+
+The result, RUN_DIR/reward_model, is the backbone as a Hugging Face model directory plus the
+head (`value_head.pt`) and a marker file; `load_reward_model(DIR)` loads it as a ValueModel,
+which is also how a PPO critic can start from it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from trainers.config import _DEFER, ActorConfig
+from trainers.offline import OfflineTrainer, cli_main, resume_point, run_offline
+from trainers.pairs import Pair, PairConfig, PairData, load_pairs
+
+MARKER = "agentrl_reward_model.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RMConfig(PairConfig):
+    """`agentrl rm` flags."""
+
+    loss: Literal["sigmoid", "logexp"] = "sigmoid"
+    """-log sigmoid(r_w - r_l [- margin]), or log(1 + exp(r_l - r_w)) (no margin)."""
+    actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-5))
+    run_dir: str = "runs/rm"
+
+    def __post_init__(self) -> None:
+        if _DEFER.get():
+            return
+        super().__post_init__()
+        if self.loss == "logexp" and self.margin_key is not None:
+            raise ValueError("--loss logexp takes no margin; use --loss sigmoid with "
+                             "--margin_key")
+
+
+class RMTrainer(OfflineTrainer):
+    kind = "rm"
+
+    def __init__(self, cfg: RMConfig, data: PairData, tokenizer: Any) -> None:
+        self.rcfg = cfg
+        super().__init__(cfg, data.train, data.eval, tokenizer)
+
+    def trained_module(self, model: Any) -> Any:
+        from trainers.critic import ValueModel
+
+        self.value_model = ValueModel(model)
+        return self.value_model
+
+    def _scores(self, module: Any, pairs: list[Pair]) -> Any:
+        """Rewards of each pair's chosen and rejected reply, `[2P]` in order."""
+        from agentrl.backends.device import autocast
+        from trainers.logprobs import padded_inputs
+
+        batch = self.batch([t for p in pairs for t in (p.chosen, p.rejected)])
+        rows = (torch.arange(batch.size, device=batch.input_ids.device),
+                int(batch.lengths.max()))
+        inputs = padded_inputs(batch, rows, None)
+        with autocast(self.device, self.cfg.actor.mixed_precision):
+            return module(**inputs, at=batch.lengths - 1).float()
+
+    def _loss(self, module: Any, pairs: list[Pair]) -> tuple[Any, Any]:
+        from agentrl.algorithms.preference import reward_model_loss
+
+        scores = self._scores(module, pairs)
+        margin = (torch.tensor([p.margin for p in pairs], device=scores.device)
+                  if self.rcfg.margin_key is not None else None)
+        loss_B = reward_model_loss(scores[0::2], scores[1::2], kind=self.rcfg.loss,
+                                   margin_B=margin)
+        return loss_B, scores
+
+    def train_step(self, items: list[Pair]) -> dict[str, float]:
+        import time
+
+        t0 = time.perf_counter()
+        num_pairs = float(len(items))
+        sums = dict.fromkeys(("loss", "chosen", "rejected", "correct"), 0.0)
+
+        def loss_fn(module: Any, pairs: list[Pair]) -> tuple[Any, dict[str, float]]:
+            loss_B, scores = self._loss(module, pairs)
+            return loss_B.sum() / num_pairs, _sums(loss_B, scores)
+
+        step = self.cfg.micro_batch_size
+        for i in range(0, len(items), step):
+            m = self.backend.forward_backward(items[i : i + step], loss_fn)
+            for k in sums:
+                sums[k] += m[k]
+        stats = self.backend.optimizer_step()
+        return {**_metrics(sums, num_pairs), "pairs": num_pairs, "epoch": float(self.epoch),
+                "time_step": time.perf_counter() - t0, **stats}
+
+    def evaluate(self) -> dict[str, float]:
+        if not self.held:
+            return {}
+        sums = dict.fromkeys(("loss", "chosen", "rejected", "correct"), 0.0)
+        with torch.no_grad():
+            for i in range(0, len(self.held), self.cfg.micro_batch_size):
+                loss_B, scores = self._loss(self.backend.module,
+                                            self.held[i : i + self.cfg.micro_batch_size])
+                for k, v in _sums(loss_B, scores).items():
+                    sums[k] += v
+        return _metrics(sums, float(len(self.held)))
+
+    def export_hf(self, path: Path) -> None:
+        """The language model (its backbone trained) at `path`, as the policy's export is,
+        and the reward model beside it at RUN_DIR/reward_model."""
+        super().export_hf(path)
+        save_reward_model(self.model, self.value_model.head, self.tokenizer,
+                          path.parent / "reward_model", base=self.cfg.actor.model)
+
+
+def _sums(loss_B: Any, scores: Any) -> dict[str, float]:
+    c, r = scores[0::2].detach(), scores[1::2].detach()
+    correct = (c > r).float() + 0.5 * (c == r).float()
+    return {"loss": float(loss_B.detach().sum()), "chosen": float(c.sum()),
+            "rejected": float(r.sum()), "correct": float(correct.sum())}
+
+
+def _metrics(sums: dict[str, float], n: float) -> dict[str, float]:
+    n = max(n, 1.0)
+    return {"loss": sums["loss"] / n, "reward/chosen": sums["chosen"] / n,
+            "reward/rejected": sums["rejected"] / n, "accuracy": sums["correct"] / n}
+
+
+def save_reward_model(lm: Any, head: torch.nn.Module, tokenizer: Any, path: Path, *,
+                      base: str) -> None:
+    """A directory `load_reward_model` reads: the language model whose backbone the reward
+    model shares (a ValueModel trains it in place), its tokenizer, the head and a marker."""
+    path.mkdir(parents=True, exist_ok=True)
+    lm.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    torch.save(head.state_dict(), path / "value_head.pt")
+    (path / MARKER).write_text(json.dumps({"kind": "agentrl reward model", "base": base,
+                                           "score": "value head at the last token"}, indent=2))
+
+
+def load_reward_model(path: str | Path) -> Any:
+    """The reward model saved by `agentrl rm`, as a ValueModel (in eval mode)."""
+    from agentrl.models import load_model
+    from trainers.critic import ValueModel
+
+    p = Path(path)
+    if not (p / MARKER).is_file() or not (p / "value_head.pt").is_file():
+        raise ValueError(f"{str(p)!r} is not a reward model saved by `agentrl rm` (expected "
+                         f"{MARKER} and value_head.pt; it is RUN_DIR/reward_model)")
+    model = ValueModel(load_model(str(p)))
+    model.head.load_state_dict(torch.load(p / "value_head.pt", weights_only=True))
+    return model.eval()
+
+
+def run_rm(cfg: RMConfig) -> dict[str, Any]:
+    from agentrl.models import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.actor.model)
+    data = load_pairs(cfg, tokenizer)
+    resume = resume_point(cfg)
+    summary: dict[str, Any] = {"run_dir": cfg.run_dir, "train_pairs": len(data.train),
+                               "eval_pairs": len(data.eval), "skipped": data.skipped,
+                               "truncated": data.truncated}
+    summary = run_offline(cfg, RMTrainer(cfg, data, tokenizer), resume, summary)
+    summary["reward_model"] = str(Path(cfg.run_dir) / "reward_model")
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    return cli_main(RMConfig, run_rm, "agentrl rm", __doc__, argv)
