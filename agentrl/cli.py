@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
             "supervised fine-tuning on chat data or on agentrl trajectories (rejection sampling)"),
     "dpo": ("trainers.dpo:main", "preference optimisation: DPO, conservative DPO, IPO"),
     "rm": ("trainers.rm:main", "train a pairwise (Bradley-Terry) reward model"),
+    "export": ("trainers.export:main",
+               "write a LoRA run's model with its adapters merged (agentrl export RUN --merge)"),
     "eval": ("agentrl.rollout.evaluate:main", "evaluate a model on an environment: pass@1, pass@k"),
     "rollout": ("agentrl.rollout.cli:main", "sample trajectories from an env and write JSON lines"),
     "serve": ("servers.cli:main", "serve a model through the recording OpenAI-compatible proxy"),

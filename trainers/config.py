@@ -73,6 +73,17 @@ class ActorConfig:
     optimizer state stay float32 (the usual GPU setting; also ~2x faster matmuls on CPUs with
     AMX/AVX512-BF16). Logprobs and losses are computed in float32. The sampler is unaffected."""
 
+    lora_rank: int = 0
+    """LoRA (peft): train rank-r adapters on a frozen base (0: train every weight). The
+    reference model of RL and DPO is then the base with the adapters off: no second copy."""
+    lora_alpha: int = 16
+    """LoRA scale numerator (the adapters' update is scaled by alpha / rank)."""
+    lora_targets: tuple[str, ...] = ()
+    """Module names to adapt, e.g. q_proj v_proj (default: every linear layer but the head)."""
+    lora_dropout: float = 0.0
+    load_in_4bit: bool = False
+    """QLoRA: keep the frozen base in 4 bits (bitsandbytes, CUDA GPUs only); needs lora_rank."""
+
     def __post_init__(self) -> None:
         if _DEFER.get():
             return
@@ -83,6 +94,12 @@ class ActorConfig:
             raise ValueError(f"--actor.lr must be > 0, got {self.lr}")
         if self.warmup_steps < 0 or self.max_grad_norm < 0:
             raise ValueError("--actor.warmup_steps and --actor.max_grad_norm must be >= 0")
+        if self.lora_rank < 0 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
+            raise ValueError("--actor.lora_rank must be >= 0, --actor.lora_alpha > 0 and "
+                             "--actor.lora_dropout in [0, 1)")
+        if self.load_in_4bit and self.lora_rank == 0:
+            raise ValueError("--actor.load_in_4bit (QLoRA) trains adapters on the 4-bit base: "
+                             "set --actor.lora_rank too (e.g. 16)")
         if self.mixed_precision == "bf16" and self.dtype != "float32":
             raise ValueError(
                 "--actor.mixed_precision bf16 computes in bf16 over float32 weights; it needs "
@@ -481,6 +498,9 @@ class TrainConfig:
                 )
         elif self.num_policy_workers != 1:
             raise ValueError("--num_policy_workers > 1 needs --backend fsdp2 or deepspeed")
+        if self.actor.lora_rank and self.num_policy_workers > 1:
+            raise ValueError("--actor.lora_rank trains on one policy worker for now; drop "
+                             "--num_policy_workers (LoRA rarely needs sharding)")
         if self.agent and not (self.agent_tasks and self.agent_reward):
             raise ValueError("--agent needs --agent_tasks FILE.jsonl and --agent_reward module:fn")
         self._check_dataset()

@@ -121,8 +121,12 @@ def _accepts_logits_to_keep(module: nn.Module) -> bool:
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
-    """The module inside a DeepSpeed engine (which has its own forward signature and config)."""
+    """The model inside a DeepSpeed engine or peft's LoRA wrapper (which have their own
+    forward signatures; both pass the model's keyword arguments on)."""
     deepspeed = sys.modules.get("deepspeed")
     if deepspeed is not None and isinstance(module, deepspeed.DeepSpeedEngine):
-        return module.module
+        module = module.module
+    get_base = getattr(module, "get_base_model", None)
+    if callable(get_base) and hasattr(module, "peft_config"):
+        module = get_base()
     return module

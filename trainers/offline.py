@@ -119,14 +119,17 @@ class OfflineTrainer:
             resolve_backend_name,
             resolve_device,
         )
-        from agentrl.models import load_model
+        from agentrl.models.lora import load_policy
         from trainers.config import TrainConfig
 
         torch.manual_seed(cfg.seed)
         self.cfg, self.train, self.held, self.tokenizer = cfg, train, held, tokenizer
         a = cfg.actor
         self.device = resolve_device(a.device)
-        self.model = load_model(a.model, dtype=a.dtype).train()
+        self.model = load_policy(a.model, dtype=a.dtype, device=self.device,
+                                 lora_rank=a.lora_rank, lora_alpha=a.lora_alpha,
+                                 lora_targets=a.lora_targets, lora_dropout=a.lora_dropout,
+                                 load_in_4bit=a.load_in_4bit)
         if a.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -215,6 +218,14 @@ class OfflineTrainer:
         self.order = list(trainer["order"])
 
     def export_hf(self, path: Path) -> None:
+        """A plain Hugging Face directory of the trained model; with LoRA, the adapters too
+        (RUN_DIR/adapter) and `path` holds the merged model."""
+        from agentrl.models.lora import is_lora, save_merged
+
+        if is_lora(self.model):
+            self.model.save_pretrained(path.parent / "adapter")
+            save_merged(self.model, self.tokenizer, path)
+            return
         self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
 

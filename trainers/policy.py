@@ -16,6 +16,7 @@ import functools
 import random
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from agentrl.backends import (
 )
 from agentrl.backends.device import autocast
 from agentrl.backends.distributed import all_sum
+from agentrl.models.lora import adapters_off, is_lora, load_policy, merged_weights, save_merged
 from trainers.advantages import batch_advantages
 from trainers.batch import RolloutBatch, add_images, collate, group_sorted, length_sorted
 from trainers.config import TrainConfig
@@ -49,7 +51,7 @@ class PolicyWorker:
         world_size: int = 1,
         dist_addr: str | None = None,
     ) -> None:
-        from agentrl.models import load_model, load_tokenizer
+        from agentrl.models import load_tokenizer
         from agentrl.models.vision import vision_processor
         from trainers.critic import ValueModel
 
@@ -61,7 +63,12 @@ class PolicyWorker:
                         zero_stage=cfg.zero_stage,
                         micro_batches_per_step=cfg.micro_batches_per_rank)
         self.tokenizer = load_tokenizer(cfg.actor.model)
-        self.model = load_model(cfg.actor.model, dtype=cfg.actor.dtype).train()
+        a = cfg.actor
+        self.model = load_policy(a.model, dtype=a.dtype, device=self.device,
+                                 lora_rank=a.lora_rank, lora_alpha=a.lora_alpha,
+                                 lora_targets=a.lora_targets, lora_dropout=a.lora_dropout,
+                                 load_in_4bit=a.load_in_4bit)
+        self.lora = is_lora(self.model)
         self.vision = vision_processor(self.tokenizer)
         if cfg.actor.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(
@@ -74,7 +81,9 @@ class PolicyWorker:
             self.model.disable_input_require_grads()
         # The reference model and the critic are copies of the whole model, taken before it is
         # sharded: neither an FSDP2 nor a ZeRO-3 module can be deep-copied.
-        ref = copy.deepcopy(self.model) if cfg.algo.kl_coef > 0 else None
+        # With LoRA the reference is the base itself, adapters off: no copy.
+        self.ref_is_base = self.lora and cfg.algo.kl_coef > 0
+        ref = copy.deepcopy(self.model) if cfg.algo.kl_coef > 0 and not self.lora else None
         critic = None
         if cfg.algo.estimator == "gae":
             critic = (_critic_from(cfg.algo.critic_init, self.model) if cfg.algo.critic_init
@@ -99,6 +108,10 @@ class PolicyWorker:
             from trainers.sampling import make_engine
 
             self.engine = make_engine(cfg, self.model, self.tokenizer, self.device)
+
+    @property
+    def has_ref(self) -> bool:
+        return self.ref is not None or self.ref_is_base
 
     @property
     def pad_id(self) -> int:
@@ -162,10 +175,13 @@ class PolicyWorker:
             self._fill(batch, "old_logp", self.policy)
         if self.ref is not None:
             self._fill(batch, "ref_logp", self.ref)
+        elif self.ref_is_base:
+            with adapters_off(self.model):
+                self._fill(batch, "ref_logp", self.policy)
         if self.critic is not None:
             self._fill(batch, "values", self.critic)
         kl = None
-        if self.ref is not None and not algo.kl_as_loss:
+        if self.has_ref and not algo.kl_as_loss:
             old = batch.extras.get("old_logp", batch.rollout_logp)
             kl = A.kl_estimate(algo.kl_estimator, old, batch.extras["ref_logp"]) * batch.mask
         adv, ret = batch_advantages(algo, batch, kl, kl_coef, rank=self.rank)
@@ -185,7 +201,7 @@ class PolicyWorker:
 
     def _sync_engine(self) -> None:
         if self.engine is not None:
-            weights = {} if self.shares_weights else self.policy.full_weights()
+            weights = {} if self.shares_weights else self.named_weights()
             self.engine.update_weights(weights, self.version)
 
     def _epochs(self, batch: RolloutBatch) -> dict[str, float]:
@@ -231,7 +247,7 @@ class PolicyWorker:
         logp, ent = self._logprobs(self.policy, module, batch, rows, entropy=True)
         assert ent is not None
         return policy_loss(self.cfg, batch, rows, logp, ent, num_tokens=num_tokens,
-                           num_seqs=num_seqs, with_ref=self.ref is not None)
+                           num_seqs=num_seqs, with_ref=self.has_ref)
 
     def _critic_step(self, batch: RolloutBatch, rows: list[int], num_tokens: float) -> float:
         """One critic update on `rows`; as for the policy, the loss is normalised by the global
@@ -292,7 +308,10 @@ class PolicyWorker:
         self._sync_engine()
 
     def named_weights(self) -> dict[str, Tensor]:
-        """Full policy weights on every rank (a collective under FSDP2 and ZeRO-3)."""
+        """Full policy weights on every rank (a collective under FSDP2 and ZeRO-3); with LoRA,
+        the merged weights under the plain model's names (what an engine loads)."""
+        if self.lora:
+            return merged_weights(self.model)
         return dict(self.policy.full_weights())
 
     def broadcast_weights(
@@ -301,7 +320,7 @@ class PolicyWorker:
         """Placed mode on GPUs: every rank gathers the full weights (a collective when sharded),
         rank 0 broadcasts them into the rollout worker's engine (trainers/weight_sync.py).
         `world_size`: 1 + the engine's workers."""
-        weights = self.policy.full_weights()
+        weights = iter(self.named_weights().items()) if self.lora else self.policy.full_weights()
         if self.rank != 0:
             for _ in weights:
                 pass
@@ -314,6 +333,10 @@ class PolicyWorker:
         self._broadcast.send(rollout, weights, version)
 
     def export_hf(self, path: str) -> None:
+        if self.lora:  # the adapters beside the run's hf/, and hf/ the merged model
+            self.model.save_pretrained(str(Path(path).parent / "adapter"))
+            save_merged(self.model, self.tokenizer, path)
+            return
         # Gathering sharded weights is a collective: every rank calls it.
         weights = self.named_weights() if self.cfg.num_policy_workers > 1 else None
         if self.rank == 0:

@@ -140,9 +140,14 @@ def save_reward_model(lm: Any, head: torch.nn.Module, tokenizer: Any, path: Path
                       base: str) -> None:
     """A directory `load_reward_model` reads: the language model whose backbone the reward
     model shares (a ValueModel trains it in place), its tokenizer, the head and a marker."""
+    from agentrl.models.lora import is_lora, save_merged
+
     path.mkdir(parents=True, exist_ok=True)
-    lm.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    if is_lora(lm):
+        save_merged(lm, tokenizer, path)  # the backbone with its adapters merged
+    else:
+        lm.save_pretrained(path)
+        tokenizer.save_pretrained(path)
     torch.save(head.state_dict(), path / "value_head.pt")
     (path / MARKER).write_text(json.dumps({"kind": "agentrl reward model", "base": base,
                                            "score": "value head at the last token"}, indent=2))

@@ -44,7 +44,8 @@ class LocalBackend:
         return model
 
     def _make_optimizer(self, model: nn.Module, optim: OptimizerSpec) -> torch.optim.Optimizer:
-        params = list(model.parameters())
+        # Frozen weights (LoRA's base) get no optimizer state.
+        params = [p for p in model.parameters() if p.requires_grad]
         return torch.optim.AdamW(
             params,
             lr=optim.lr,
