@@ -27,8 +27,8 @@ import sys
 import tempfile
 import time
 
-WORDS = ("apple river stone cloud tiger lemon piano rocket garden window yellow silver "
-         "planet coffee bridge mountain").split()
+WORDS = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "rocket", "garden",
+         "window", "yellow", "silver", "planet", "coffee", "bridge", "mountain"]
 
 
 def conversations(n: int = 96) -> list[tuple[str, str]]:
@@ -48,9 +48,9 @@ def run_agentrl(steps: int) -> dict:
     tmp = tempfile.mkdtemp(prefix="agentrl-sft-bench-")
     path = os.path.join(tmp, "chats.jsonl")
     with open(path, "w") as f:
-        for user, reply in conversations():
-            f.write(json.dumps({"messages": [{"role": "user", "content": user},
-                                             {"role": "assistant", "content": reply}]}) + "\n")
+        f.writelines(json.dumps({"messages": [{"role": "user", "content": user},
+                                              {"role": "assistant", "content": reply}]}) + "\n"
+                     for user, reply in conversations())
     cfg = SFTConfig(dataset=path, eval_fraction=0.0, batch_size=8, micro_batch_size=8,
                     run_dir=os.path.join(tmp, "run"), progress=False, tensorboard=False,
                     actor=ActorConfig(lr=1e-5))

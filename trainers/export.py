@@ -45,7 +45,7 @@ def export(args: ExportArgs) -> Path:
         raise ValueError(f"{adapter} holds no LoRA adapter (adapter_config.json); was the run "
                          f"trained with --actor.lora_rank?")
     if not isinstance(base, str):
-        raise ValueError(f"{config} names no base model (actor.model)")
+        raise ValueError(f"{config} names no base model (actor.model)")  # noqa: TRY004
     from peft import PeftModel
 
     model = PeftModel.from_pretrained(load_model(base), str(adapter))
