@@ -38,6 +38,9 @@ class ServeArgs:
     cuda or cuda:N."""
     tensor_parallel_size: int = 1
     """vllm: GPUs per engine (tensor parallel)."""
+    engines: int = 1
+    """Engines behind one router (trainers/router.py): each call goes to the least loaded,
+    every call of a session to the same one. On GPUs each engine gets its own GPU."""
     gpu_memory_utilization: float = 0.5
     """vllm on GPUs: the fraction of each GPU's memory for weights and KV cache."""
     host: str = "127.0.0.1"
@@ -104,12 +107,20 @@ def main(argv: list[str] | None = None) -> int:
     from servers.config import ProxyConfig
 
     try:
+        import torch
+
+        from trainers.router import EngineRouter, engine_devices
+
+        devices = engine_devices(args.engines, args.device, gpus=torch.cuda.device_count(),
+                                 engine=args.engine,
+                                 tensor_parallel_size=args.tensor_parallel_size)
         tokenizer = load_tokenizer(args.model)
-        engine = open_engine(
-            args.model, engine=args.engine, device=args.device, tokenizer=tokenizer,
-            tensor_parallel_size=args.tensor_parallel_size,
+        engines = [open_engine(
+            args.model, engine=args.engine, device=dev if args.engines > 1 else args.device,
+            tokenizer=tokenizer, tensor_parallel_size=args.tensor_parallel_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
-        )
+        ) for dev in devices]
+        engine = engines[0] if len(engines) == 1 else EngineRouter(engines)
     except ValueError as e:
         print(f"agentrl serve: {e}", file=sys.stderr)
         return 2

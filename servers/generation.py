@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from agentrl.engine.affinity import affinity_key
 from agentrl.engine.base import PromptTooLongError
 from agentrl.types import Completion, FinishReason, Image, SamplingParams
 from servers.config import ProxyState
@@ -138,6 +139,9 @@ def bind_session(state: ProxyState, request: Request) -> Session | None:
             400, f"session {sid!r} is closed; start a new session for a new episode",
             code="session_closed",
         )
+    # Engine calls of this request (its task) belong to the session: a router over several
+    # engines sends them to the engine holding the session's conversation.
+    affinity_key.set(session.id)
     if session.in_flight >= state.config.max_session_concurrency:
         raise APIError(
             429,

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from agentrl.engine.affinity import conversation
 from agentrl.engine.base import Engine, GenerationError, PromptTooLongError
 from agentrl.rollout.budget import EpisodeBudget
 from agentrl.types import Image, SamplingParams, Trajectory, TrajectoryBuilder, group_name
@@ -187,7 +188,8 @@ async def _episode(
                 seed=_derive_seed(sampling.seed, ep, turn),
             )
             try:
-                [c] = await engine.generate(context, params, images or None)
+                with conversation(ep.group):  # a router keeps a group on one engine
+                    [c] = await engine.generate(context, params, images or None)
             except PromptTooLongError:
                 truncated, info["truncated_by"] = True, "max_context"
                 break

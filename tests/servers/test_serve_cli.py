@@ -67,3 +67,15 @@ def test_a_missing_gpu_fails_before_loading(capsys, monkeypatch):
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model was loaded"))
     assert main(["serve", "--model", "tiny", "--device", "cuda"]) == 2
     assert "--device cuda: no CUDA device is visible" in capsys.readouterr().err
+
+
+def test_more_engines_than_gpus_is_refused_before_loading(capsys, monkeypatch):
+    import torch
+
+    from agentrl import models
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model was loaded"))
+    assert main(["serve", "--model", "tiny", "--engines", "3", "--device", "cuda"]) == 2
+    assert "--engines 3 x --tensor_parallel_size 1 = 3 GPUs, but 2 are visible" in (
+        capsys.readouterr().err)

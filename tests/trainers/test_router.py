@@ -1,0 +1,131 @@
+"""The engine router (#16 item 1): least outstanding work, conversations stick to one engine,
+every engine gets the same weights, devices planned with the arithmetic shown."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from agentrl.engine.affinity import conversation
+from agentrl.types import Completion, SamplingParams
+from trainers.router import EngineRouter, engine_devices
+
+
+class Held:
+    """An engine whose calls wait for `release`; it records what it was asked."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.release = asyncio.Event()
+        self.version, self.max_context = 0, 1000
+        self.weights: list = []
+
+    async def generate(self, prompt_ids, params, images=None):
+        self.calls.append((len(prompt_ids), params.max_tokens))
+        await self.release.wait()
+        return [Completion(token_ids=[7] * params.max_tokens,
+                           logprobs=[-1.0] * params.max_tokens, finish_reason="length")]
+
+    def update_weights(self, named, version):
+        self.weights.append((list(named), version))
+        self.version = version
+
+
+async def test_calls_go_to_the_least_outstanding_work():
+    engines = [Held(), Held(), Held()]
+    router = EngineRouter(engines)
+    big, small = SamplingParams(max_tokens=100), SamplingParams(max_tokens=10)
+    tasks = [asyncio.ensure_future(router.generate([1] * 10, big))]  # engine 0: 110 tokens
+    await asyncio.sleep(0)
+    tasks += [asyncio.ensure_future(router.generate([1] * 10, small)) for _ in range(3)]
+    await asyncio.sleep(0)
+    # Engines 1 and 2 take a small call each; the third small call goes to the lighter of
+    # them (20 < 110), not to the engine with the big one.
+    assert [len(e.calls) for e in engines] == [1, 2, 1]
+    assert router.outstanding == [110, 40, 20]
+    for e in engines:
+        e.release.set()
+    done = await asyncio.gather(*tasks)
+    assert [len(c[0].token_ids) for c in done] == [100, 10, 10, 10]
+    assert router.outstanding == [0, 0, 0]
+
+
+async def test_a_conversation_stays_on_one_engine_and_conversations_spread():
+    engines = [Held() for _ in range(4)]
+    for e in engines:
+        e.release.set()
+    router = EngineRouter(engines)
+
+    async def episode(key: str) -> None:
+        with conversation(key):
+            for turn in range(3):
+                await router.generate([1] * (10 + 5 * turn), SamplingParams(max_tokens=4))
+
+    await asyncio.gather(*(episode(f"ep{i}") for i in range(8)))
+    assert [len(e.calls) for e in engines] == [6, 6, 6, 6]  # 2 episodes x 3 turns each
+    for e in engines:  # each engine saw whole episodes: prompts growing turn by turn
+        lengths = sorted(n for n, _ in e.calls)
+        assert lengths == [10, 10, 15, 15, 20, 20]
+    assert router.stats()["conversations"] == 8
+
+
+async def test_weights_go_to_every_engine_with_one_version_and_streams_fall_back():
+    engines = [Held(), Held()]
+    router = EngineRouter(engines)
+    router.update_weights(iter([("w", 1), ("b", 2)]), version=3)  # an iterator, read once
+    assert all(e.weights == [([("w", 1), ("b", 2)], 3)] for e in engines)
+    assert router.version == 3
+    engines[1].version = 2
+    assert router.version == 2  # the oldest engine's
+    for e in engines:
+        e.release.set()
+    deltas = [d async for d in router.generate_stream([1, 2], SamplingParams(max_tokens=3))]
+    assert [(d.index, d.token_ids, d.finish_reason) for d in deltas] == [(0, [7, 7, 7],
+                                                                          "length")]
+
+
+def test_engine_devices_and_the_arithmetic_of_too_many():
+    assert engine_devices(3, "auto", gpus=0) == ["cpu"] * 3
+    assert engine_devices(2, "cuda", gpus=4) == ["cuda:0", "cuda:1"]
+    assert engine_devices(1, "cuda:2", gpus=4) == ["cuda:2"]
+    with pytest.raises(ValueError, match=r"--engines 3 x --tensor_parallel_size 2 = 6 GPUs, "
+                                         r"but 4 are visible; use at most 2 engines"):
+        engine_devices(3, "cuda", gpus=4, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="not supported yet"):
+        engine_devices(2, "auto", gpus=2, engine="vllm")
+    with pytest.raises(ValueError, match="must be >= 1"):
+        engine_devices(0, "cpu", gpus=0)
+
+
+@pytest.mark.slow
+async def test_rollouts_through_the_router_keep_each_group_on_one_engine(tiny_tokenizer):
+    """Two real engines behind the router: every turn of a group's episodes is sampled by
+    the engine that sampled its first turn."""
+    import gymnasium as gym
+
+    from agentrl.engine import create_engine
+    from agentrl.rollout import collect
+
+    engines = [create_engine("tiny", tokenizer=tiny_tokenizer) for _ in range(2)]
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    for i, e in enumerate(engines):
+        inner = e.generate
+
+        async def recorded(prompt, params, images=None, *, _i=i, _inner=inner):
+            seen[_i].append(len(prompt))
+            return await _inner(prompt, params, images)
+
+        e.generate = recorded  # type: ignore[method-assign]
+    router = EngineRouter(engines)
+    try:
+        trajs = await collect(router, lambda: gym.make("agentrl/GuessNumber-v0",
+                                                       tokenizer=tiny_tokenizer),
+                              num_prompts=4, n_samples_per_prompt=2,
+                              sampling=SamplingParams(max_tokens=8, temperature=1.0, seed=0),
+                              max_turns=3)
+    finally:
+        router.close()
+    assert len(trajs) == 8 and all(seen.values())  # both engines worked
+    assert sum(len(v) for v in seen.values()) == sum(len(t.turns) for t in trajs)
+    assert router.stats()["conversations"] == 4  # one per group

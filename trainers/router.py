@@ -1,0 +1,161 @@
+"""Many engines as one: `EngineRouter` takes the engine protocol's calls and spreads them.
+
+A call goes to the engine with the least outstanding work (prompt tokens plus the tokens it may
+still sample, summed over the engine's calls in flight), except that every call of one
+conversation (`agentrl.engine.affinity`: an episode's group in rollouts, a session in the proxy)
+goes to the engine that served its first call, whose prefix cache holds the conversation so
+far. Ties go to the engine that was given the fewest calls, so idle engines fill evenly.
+
+Weight updates go to every engine with the same version: `update_weights` hands each engine the
+same tensors (a bucket at a time when the caller sends buckets) and the router's `version` is
+the oldest engine's. Engines are anything with the engine protocol's async `generate` (and
+`generate_stream` for streaming): local engines, or handles of engines in other processes.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from agentrl.engine.affinity import affinity_key
+from agentrl.types import Completion, CompletionDelta, SamplingParams
+
+
+def engine_devices(num_engines: int, device: str, *, gpus: int, engine: str = "transformers",
+                   tensor_parallel_size: int = 1) -> list[str]:
+    """Where each of `num_engines` engines runs, given `gpus` visible GPUs: on GPUs each engine
+    gets its own (`tensor_parallel_size` each), refused with the arithmetic when there are too
+    few; on the CPU they share the cores. `device`: auto, cpu, cuda or cuda:N."""
+    if num_engines < 1:
+        raise ValueError(f"--engines must be >= 1, got {num_engines}")
+    on_gpu = device.startswith("cuda") or (device == "auto" and gpus > 0)
+    if not on_gpu:
+        return ["cpu"] * num_engines
+    if num_engines == 1:
+        return [device if device != "auto" else "cuda"]
+    if device.startswith("cuda:"):
+        raise ValueError(f"--engines {num_engines} puts each engine on its own GPU; --device "
+                         f"{device} names one. Pass --device cuda (or auto)")
+    need = num_engines * tensor_parallel_size
+    if need > gpus:
+        raise ValueError(f"--engines {num_engines} x --tensor_parallel_size "
+                         f"{tensor_parallel_size} = {need} GPUs, but {gpus} are visible; use at "
+                         f"most {max(gpus // tensor_parallel_size, 1)} engines")
+    if engine != "transformers":
+        raise ValueError("several vLLM engines on GPUs in one server are not supported yet "
+                         "(each needs its own CUDA_VISIBLE_DEVICES); run one `agentrl serve` "
+                         "per GPU set behind your load balancer, or use --engine transformers")
+    return [f"cuda:{i}" for i in range(num_engines)]
+
+
+class EngineRouter:
+    def __init__(self, engines: Sequence[Any], *, max_conversations: int = 1 << 16) -> None:
+        if not engines:
+            raise ValueError("a router needs at least one engine")
+        self.engines = list(engines)
+        self.outstanding = [0] * len(self.engines)
+        """Tokens of work in flight per engine (prompt + the most it may sample)."""
+        self.routed = [0] * len(self.engines)
+        """Calls given to each engine so far."""
+        self.max_conversations = max_conversations
+        self._sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    # ---------------------------------------------------------------- routing
+    def pick(self, cost: int, key: str | None = None) -> int:
+        """The engine for a call of `cost` tokens in conversation `key` (None: any)."""
+        if key is not None:
+            i = self._sticky.get(key)
+            if i is not None:
+                self._sticky.move_to_end(key)
+                return i
+        n = len(self.engines)
+        i = min(range(n), key=lambda j: (self.outstanding[j], self.routed[j], j))
+        if key is not None:
+            self._sticky[key] = i
+            if len(self._sticky) > self.max_conversations:
+                self._sticky.popitem(last=False)
+        return i
+
+    def forget(self, key: str) -> None:
+        """End conversation `key` (its next call may go anywhere)."""
+        self._sticky.pop(key, None)
+
+    @staticmethod
+    def cost(prompt_ids: Sequence[int], params: SamplingParams) -> int:
+        return len(prompt_ids) + params.max_tokens * params.n
+
+    # ---------------------------------------------------------------- the engine protocol
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                       images: Sequence[Any] | None = None) -> list[Completion]:
+        cost = self.cost(prompt_ids, params)
+        i = self.pick(cost, affinity_key.get())
+        self.outstanding[i] += cost
+        self.routed[i] += 1
+        try:
+            return list(await self.engines[i].generate(prompt_ids, params, images))
+        finally:
+            self.outstanding[i] -= cost
+
+    async def generate_stream(self, prompt_ids: Sequence[int], params: SamplingParams,
+                              images: Sequence[Any] | None = None,
+                              ) -> AsyncIterator[CompletionDelta]:
+        cost = self.cost(prompt_ids, params)
+        i = self.pick(cost, affinity_key.get())
+        engine = self.engines[i]
+        self.outstanding[i] += cost
+        self.routed[i] += 1
+        try:
+            if hasattr(engine, "generate_stream"):
+                async for delta in engine.generate_stream(prompt_ids, params, images):
+                    yield delta
+                return
+            # An engine that does not stream: each choice whole, as one delta.
+            for k, c in enumerate(await engine.generate(prompt_ids, params, images)):
+                yield CompletionDelta(index=k, token_ids=c.token_ids, logprobs=c.logprobs,
+                                      top_logprobs=c.top_logprobs, finish_reason=c.finish_reason,
+                                      policy_version=c.policy_version, stop_reason=c.stop_reason)
+        finally:
+            self.outstanding[i] -= cost
+
+    @property
+    def version(self) -> int:
+        return min(int(e.version) for e in self.engines)
+
+    @property
+    def max_context(self) -> int:
+        return min(int(e.max_context) for e in self.engines)
+
+    @property
+    def tokenizer(self) -> Any:
+        return getattr(self.engines[0], "tokenizer", None)
+
+    def update_weights(self, named_tensors: Any, version: int) -> None:
+        """The same tensors, as `version`, into every engine (an iterator is read once)."""
+        items = (list(named_tensors.items()) if hasattr(named_tensors, "items")
+                 else list(named_tensors))
+        for engine in self.engines:
+            engine.update_weights(items, version)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort `request_id` on whichever engine has it (every engine is asked)."""
+        found = False
+        for e in self.engines:
+            found = bool(getattr(e, "abort", lambda _: False)(request_id)) or found
+        return found
+
+    def sleep(self) -> None:
+        for e in self.engines:
+            e.sleep()
+
+    def wake(self) -> None:
+        for e in self.engines:
+            e.wake()
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()
+
+    def stats(self) -> dict[str, Any]:
+        return {"engines": len(self.engines), "routed": list(self.routed),
+                "outstanding": list(self.outstanding), "conversations": len(self._sticky)}
