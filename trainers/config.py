@@ -219,6 +219,9 @@ class RolloutConfig:
     enable_sleep: bool = False
     """vllm on GPUs: offload the engine's weights and free its KV cache while the trainer updates
     (vLLM's CUDA sleep mode)."""
+    num_engines: int = 1
+    """Placed mode: engines behind one router (trainers/router.py), each with its own copy of
+    the weights (and GPU); a group's episodes stay on one engine for all their turns."""
     mode: Literal["colocated", "placed"] = "colocated"
     """colocated: engine and policy share the weights in one actor (free weight sync);
     placed: a separate rollout actor that receives weights in buckets."""
@@ -243,6 +246,11 @@ class RolloutConfig:
         from agentrl.engine import check_engine_name
 
         check_engine_name(self.engine, "--rollout.engine")
+        if self.num_engines < 1:
+            raise ValueError(f"--rollout.num_engines must be >= 1, got {self.num_engines}")
+        if self.num_engines > 1 and self.mode != "placed":
+            raise ValueError("--rollout.num_engines > 1 needs --rollout.mode placed (colocated, "
+                             "the engine is the policy worker's own model)")
         if self.tensor_parallel_size < 1:
             raise ValueError("--rollout.tensor_parallel_size must be >= 1")
         if self.engine != "vllm" and (self.tensor_parallel_size > 1 or self.enable_sleep):

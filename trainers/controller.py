@@ -192,8 +192,14 @@ class Trainer:
                 )
                 self.policy = _Handle(policy, True)
             if rollout:
-                worker = ray.remote(RolloutWorker).options(**rollout_opts).remote(
-                    cfg, engine_weight_transfer(self.weight_sync))
+                from trainers.sampling import EngineWorker
+
+                # Engines past the first live in actors of their own; the rollout worker routes
+                # between its engine and theirs.
+                extra = [ray.remote(EngineWorker).options(**opts).remote(cfg)
+                         for opts in rollout_opts[1:]]
+                worker = ray.remote(RolloutWorker).options(**rollout_opts[0]).remote(
+                    cfg, engine_weight_transfer(self.weight_sync), extra)
                 self.rollout = _Handle(worker, True)
         else:
             import torch
@@ -563,6 +569,14 @@ def preflight(cfg: TrainConfig, gpus: int) -> None:
     if cuda and tp > gpus:
         raise ValueError(f"--rollout.tensor_parallel_size {tp} is more than the {gpus} GPUs "
                          f"visible; use at most {gpus}")
+    engines = cfg.rollout.num_engines
+    if cuda and engines > 1:
+        need = cfg.num_policy_workers + engines * tp
+        if need > gpus:
+            raise ValueError(
+                f"--num_policy_workers {cfg.num_policy_workers} + --rollout.num_engines "
+                f"{engines} x --rollout.tensor_parallel_size {tp} = {need} GPUs, but {gpus} are "
+                f"visible; use at most {max((gpus - cfg.num_policy_workers) // tp, 0)} engines")
 
 
 def _commonest_error(trajs: list[Trajectory]) -> str:

@@ -120,8 +120,9 @@ def current_node() -> str:
 
 def actor_options(
     cfg: TrainConfig, *, rollout: bool
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Ray `.options(...)` for each policy rank and for the rollout actor (if `rollout`), from
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Ray `.options(...)` for each policy rank and for each rollout engine's actor (if
+    `rollout`: the rollout worker's first, then `--rollout.num_engines - 1` engine actors), from
     what the running cluster has.
 
     On GPUs every process gets one GPU; placed mode places the ranks and the rollout engine
@@ -135,25 +136,27 @@ def actor_options(
     total = ray.cluster_resources()
     gpus = int(total.get("GPU", 0))
     n_policy = cfg.num_policy_workers
+    n_engines = cfg.rollout.num_engines if rollout else 0
     if not _wants_cuda(cfg.actor.device, gpus):
-        share = float(total.get("CPU", 1)) / (n_policy + int(rollout))
+        share = float(total.get("CPU", 1)) / (n_policy + n_engines)
         cpus = math.floor(share) if share >= 1 else share
-        return [{"num_cpus": cpus}] * n_policy, {"num_cpus": cpus}
+        return [{"num_cpus": cpus}] * n_policy, [{"num_cpus": cpus}] * n_engines
     if gpus == 0:
         raise ValueError(
             f"--actor.device {cfg.actor.device}: the Ray cluster has no GPUs; use --actor.device "
             "cpu, or join a cluster with GPUs"
         )
     if not rollout:
-        return [{"num_gpus": 1, "num_cpus": 1}] * n_policy, {}
-    return _placed_on_gpus(n_policy)
+        return [{"num_gpus": 1, "num_cpus": 1}] * n_policy, []
+    return _placed_on_gpus(n_policy, n_engines, cfg.rollout.tensor_parallel_size)
 
 
 def _wants_cuda(device: str, cluster_gpus: int) -> bool:
     return device.startswith("cuda") or (device == "auto" and cluster_gpus > 0)
 
 
-def _placed_on_gpus(n_policy: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _placed_on_gpus(n_policy: int, n_engines: int = 1, tp: int = 1,
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     import ray
     from ray.util.placement_group import placement_group
 
@@ -164,11 +167,11 @@ def _placed_on_gpus(n_policy: int) -> tuple[list[dict[str, Any]], dict[str, Any]
              num_cpus=max(1, int(n["Resources"].get("CPU", 1))))
         for n in ray.nodes() if n.get("Alive")
     ]
-    plan = plan_placement(nodes, num_policy_workers=n_policy, num_engines=1, device="cuda",
-                          mode="placed")
+    plan = plan_placement(nodes, num_policy_workers=n_policy, num_engines=n_engines,
+                          tensor_parallel_size=tp, device="cuda", mode="placed")
     groups = {n: placement_group(plan.node_bundles(n), strategy=plan.strategy)
               for n in plan.used_nodes}
     ray.get([g.ready() for g in groups.values()])
     ranks = [ray_options(plan, groups[a.node], a) for a in plan.actors if a.role == "train"]
-    engine = plan.actor("engine", 0)
-    return ranks, ray_options(plan, groups[engine.node], engine)
+    engines = [plan.actor("engine", i) for i in range(n_engines)]
+    return ranks, [ray_options(plan, groups[e.node], e) for e in engines]

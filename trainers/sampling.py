@@ -203,22 +203,107 @@ def weight_buckets(
         yield bucket
 
 
+def _own_engine(cfg: TrainConfig, tokenizer: Any,
+                weight_transfer: str | None = None) -> tuple[Any, Any]:
+    """(model, engine): an engine with its own copy of the weights (vLLM loads them itself;
+    the transformers engine samples from the returned model)."""
+    from agentrl.backends import resolve_device
+    from agentrl.models import load_model
+
+    device = resolve_device(cfg.actor.device)
+    model = None
+    if cfg.rollout.engine == "transformers":
+        model = load_model(cfg.actor.model).eval().to(device)
+    return model, make_engine(cfg, model, tokenizer, device, weight_transfer)
+
+
+class EngineWorker:
+    """One more engine of a placed run (`--rollout.num_engines`), in its own Ray actor: the
+    rollout worker's router calls it like a local engine (`RemoteEngine`)."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        from agentrl.models import load_tokenizer
+
+        self.model, self.engine = _own_engine(cfg, load_tokenizer(cfg.actor.model))
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       images: Any = None) -> list[Any]:
+        return list(await self.engine.generate(prompt_ids, params, images))
+
+    def update_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> int:
+        self.engine.update_weights(named, version)
+        return version
+
+    def info(self) -> tuple[int, int]:
+        """(version, max_context)."""
+        return int(self.engine.version), int(self.engine.max_context)
+
+    def node(self) -> str:
+        from trainers.ray_utils import current_node
+
+        return current_node()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class RemoteEngine:
+    """An `EngineWorker` actor as an engine (what the router needs of one)."""
+
+    def __init__(self, actor: Any) -> None:
+        import ray
+
+        self.actor = actor
+        self.version, self.max_context = ray.get(actor.info.remote())
+
+    async def generate(self, prompt_ids: Any, params: SamplingParams,
+                       images: Any = None) -> list[Any]:
+        return list(await self.actor.generate.remote(list(prompt_ids), params, images))
+
+    def update_weights(self, named: Any, version: int) -> None:
+        import ray
+
+        items = list(named.items()) if hasattr(named, "items") else list(named)
+        ray.get(self.actor.update_weights.remote(items, version))
+        self.version = version
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def close(self) -> None:
+        import ray
+
+        ray.get(self.actor.close.remote())
+
+
 class RolloutWorker:
     """Placed mode: an engine with its own copy of the weights, updated by `update_weights` (or,
-    made with `weight_transfer`, by the trainer's broadcast: `weight_transfer`)."""
+    made with `weight_transfer`, by the trainer's broadcast: `weight_transfer`). With
+    `extra_engines` (EngineWorker actors) or `--rollout.num_engines` > 1 in one process, its
+    episodes go through a router (trainers/router.py) over all of them."""
 
-    def __init__(self, cfg: TrainConfig, weight_transfer: str | None = None) -> None:
-        from agentrl.backends import resolve_device
-        from agentrl.models import load_model, load_tokenizer
+    def __init__(self, cfg: TrainConfig, weight_transfer: str | None = None,
+                 extra_engines: list[Any] | None = None) -> None:
+        from agentrl.models import load_tokenizer
 
         self.cfg = cfg
-        device = resolve_device(cfg.actor.device)
         self.tokenizer = load_tokenizer(cfg.actor.model)
-        # vLLM loads the weights itself; the transformers engine samples from this copy.
-        self.model = None
-        if cfg.rollout.engine == "transformers":
-            self.model = load_model(cfg.actor.model).eval().to(device)
-        self.engine = make_engine(cfg, self.model, self.tokenizer, device, weight_transfer)
+        self.model, engine = _own_engine(cfg, self.tokenizer, weight_transfer)
+        engines = [engine]
+        if extra_engines:
+            engines += [RemoteEngine(a) for a in extra_engines]
+        elif cfg.rollout.num_engines > 1:  # no Ray: the engines share this process
+            engines += [_own_engine(cfg, self.tokenizer)[1]
+                        for _ in range(cfg.rollout.num_engines - 1)]
+        if len(engines) > 1:
+            from trainers.router import EngineRouter
+
+            self.engine: Any = EngineRouter(engines)
+        else:
+            self.engine = engine
         self._pending: dict[str, torch.Tensor] = {}  # weight-sync buckets of the next version
 
     def collect(self, seeds: list[int], step: int) -> list[Trajectory]:
@@ -246,6 +331,11 @@ class RolloutWorker:
 
     def version(self) -> int:
         return int(self.engine.version)
+
+    def engine_stats(self) -> dict[str, Any]:
+        """The router's counts (calls per engine), or {} with one engine."""
+        stats = getattr(self.engine, "stats", None)
+        return stats() if callable(stats) else {}
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         if self.model is None:

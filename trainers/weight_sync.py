@@ -39,7 +39,8 @@ def weight_sync_plan(cfg: TrainConfig, gpus: int) -> WeightSync:
         return "none"
     device = cfg.actor.device
     cuda = device.startswith("cuda") or (device == "auto" and gpus > 0)
-    if cuda and cfg.rollout.engine == "vllm" and cfg.use_ray:
+    # The broadcast reaches one engine; several get the buckets through Ray.
+    if cuda and cfg.rollout.engine == "vllm" and cfg.use_ray and cfg.rollout.num_engines == 1:
         return "nccl"
     return "rpc"
 

@@ -46,6 +46,24 @@ def test_placed_async_mode_syncs_weights_to_a_separate_actor(ray_cluster, make_c
     assert all((policy_w[k] == rollout_engine_w[k]).all() for k in policy_w)
 
 
+def test_two_engines_behind_the_router_both_sample_and_both_get_the_weights(ray_cluster,
+                                                                          make_cfg):
+    """#16 item 1: --rollout.num_engines 2 puts an EngineWorker actor beside the rollout
+    worker's engine; episodes spread over both, and after every update both sample with the
+    new weights (every turn of step k carries version k - 1)."""
+    from agentrl.types import load_jsonl
+
+    cfg = make_cfg(use_ray=True, steps=3, rollout={"mode": "placed", "num_engines": 2})
+    trainer = Trainer(cfg)
+    trainer.run()
+    stats = trainer.rollout.call("engine_stats")
+    assert stats["engines"] == 2 and min(stats["routed"]) > 0, stats
+    for step in (1, 2, 3):
+        trajs = load_jsonl(Path(cfg.run_dir) / "rollouts" / f"step_{step:06d}.jsonl")
+        assert {v for t in trajs for v in t.policy_versions} == {step - 1}
+    assert trainer.rollout.call("version") == 3
+
+
 def test_colocated_ray_run_and_dead_actor(ray_cluster, make_cfg):
     import ray
 
@@ -168,7 +186,10 @@ def test_cpu_actors_split_the_cluster_and_get_its_threads(ray_cluster, make_cfg)
     ranks, rollout = actor_options(make_cfg(use_ray=True, num_policy_workers=2, backend="fsdp2",
                                             rollout={"mode": "placed"}), rollout=True)
     assert [r["num_cpus"] for r in ranks] == [pytest.approx(2 / 3)] * 2
-    assert rollout["num_cpus"] == pytest.approx(2 / 3)
+    assert [r["num_cpus"] for r in rollout] == [pytest.approx(2 / 3)]
+    _, engines = actor_options(make_cfg(use_ray=True, rollout={"mode": "placed",
+                                                               "num_engines": 3}), rollout=True)
+    assert [r["num_cpus"] for r in engines] == [pytest.approx(0.5)] * 3  # 4 actors share 2
 
     @ray.remote
     def threads() -> int:
