@@ -122,9 +122,13 @@ def test_reward_flags_are_checked_before_loading(tmp_path):
 
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "x"}\n')
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="pass one of --reward_fn .* not several"):
         build_config(["--dataset", str(data), "--reward_fn", "a.py:f", "--reward.url",
                       "http://x/score"])
+    with pytest.raises(ValueError, match=r"--reward.url \(a reward service\) or "
+                                         r"--reward.model \(a reward model\), not both"):
+        build_config(["--dataset", str(data), "--reward.url", "http://x/score",
+                      "--reward.model", str(tmp_path)])
     with pytest.raises(ValueError, match="must be an http"):
         build_config(["--dataset", str(data), "--reward.url", "x:8001"])
 

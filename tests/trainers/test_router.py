@@ -129,3 +129,18 @@ async def test_rollouts_through_the_router_keep_each_group_on_one_engine(tiny_to
     assert len(trajs) == 8 and all(seen.values())  # both engines worked
     assert sum(len(v) for v in seen.values()) == sum(len(t.turns) for t in trajs)
     assert router.stats()["conversations"] == 4  # one per group
+
+
+def test_a_run_with_more_engines_than_gpus_is_refused_with_the_arithmetic(tmp_path):
+    from trainers.cli import build_config
+    from trainers.controller import preflight
+
+    cfg = build_config(["--env", "digits", "--actor.device", "cuda", "--rollout.mode", "placed",
+                        "--rollout.num_engines", "4", "--run_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"--num_policy_workers 1 \+ --rollout.num_engines 4 x "
+                                         r"--rollout.tensor_parallel_size 1 = 5 GPUs, but 4 are "
+                                         r"visible; use at most 3 engines"):
+        preflight(cfg, gpus=4)
+    preflight(cfg, gpus=5)
+    with pytest.raises(ValueError, match="needs --rollout.mode placed"):
+        build_config(["--env", "digits", "--rollout.num_engines", "2"])
