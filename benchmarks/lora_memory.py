@@ -13,25 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import subprocess
 import sys
 import time
 
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
-        return platform.processor()
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
-                  if ln.startswith("model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines()
-                  if ln.startswith("flags")), [])
-    vec = sorted(f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16"))
-    return f"{model} ({', '.join(vec)})"
+from machine import cpu_description  # benchmarks/machine.py
 
 
 def _sft(model: str, steps: int, lora: int) -> dict:
@@ -148,8 +135,8 @@ def main() -> None:
             got[lora] = json.loads(done.stdout.strip().splitlines()[-1])
         full, lo = got[0], got[args.rank]
         rows.append((kind, full, lo))
-    print(f"CPU: {_cpu()}; model {args.model}; LoRA rank {args.rank} on every linear layer; "
-          f"median step time of {args.steps} steps (RL: the update only, not the sampling)")
+    print(f"CPU: {cpu_description()}; model {args.model}; LoRA rank {args.rank} on every "
+          f"linear layer; median step time of {args.steps} steps (RL: the update only)")
     print("| | full fine-tuning | LoRA | LoRA / full |")
     print("|---|---|---|---|")
     for kind, full, lo in rows:

@@ -21,6 +21,8 @@ import random
 import statistics
 import time
 
+from machine import cpu_description  # benchmarks/machine.py
+
 from agentrl.engine.affinity import conversation
 from agentrl.types import Completion, SamplingParams
 from trainers.router import EngineRouter
@@ -118,6 +120,7 @@ def main() -> None:
         tps = asyncio.run(_episodes(router, clients=2 * args.slots * n, episodes=64 * n))
         rows.append((n, tps, router.routed))
     base = rows[0][1] / rows[0][0]
+    print(f"CPU: {cpu_description()}")
     print(f"fake engines: {args.per_token_ms} ms/token, {args.slots} slots each; 3-turn episodes "
           f"of 8-32 tokens a turn, 2 x slots concurrent clients per engine")
     print("| engines | tokens/s | x one engine | / N (goal >= 0.9) | calls per engine (min-max) |")

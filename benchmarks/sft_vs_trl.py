@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 
+from machine import cpu_description  # benchmarks/machine.py
+
 WORDS = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "rocket", "garden",
          "window", "yellow", "silver", "planet", "coffee", "bridge", "mountain"]
 
@@ -126,17 +128,6 @@ def _spawn(which: str, steps: int) -> dict:
     raise RuntimeError(f"{which} failed:\n{proc.stderr[-3000:]}")
 
 
-def _cpu() -> str:
-    with open("/proc/cpuinfo") as f:
-        info = f.read()
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
-                  if ln.startswith("model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines()
-                  if ln.startswith("flags")), [])
-    vec = sorted(f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16"))
-    return f"{model} ({', '.join(vec)})"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=6)
@@ -154,7 +145,7 @@ def main() -> None:
         t_ours = statistics.median(ours["step_times"][1:])
         ratios.append(t_trl / t_ours)
         rows.append((r + 1, t_ours, t_trl, ours["peak_rss_mb"], trl["peak_rss_mb"]))
-    print(f"CPU: {_cpu()}; {opts.steps} steps per side (median after the first); TRL "
+    print(f"CPU: {cpu_description()}; {opts.steps} steps per side (median after the first); TRL "
           f"gradient checkpointing {trl['gradient_checkpointing']}, packing {trl['packing']}")
     print("| round | agentrl s/step | TRL s/step | speed-up (TRL / agentrl) | agentrl peak RSS "
           "| TRL peak RSS | memory (agentrl / TRL) |")

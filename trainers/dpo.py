@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from trainers.config import _DEFER, ActorConfig
-from trainers.offline import OfflineTrainer, cli_main, resume_point, run_offline
-from trainers.pairs import Pair, PairConfig, PairData, load_pairs
+from trainers.offline import OfflineData, cli_main, train_offline
+from trainers.pairs import Pair, PairConfig, PairTrainer, load_pairs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,10 +53,13 @@ class DPOConfig(PairConfig):
             raise ValueError("--label_smoothing is conservative DPO's; --loss ipo takes none")
 
 
-class DPOTrainer(OfflineTrainer):
-    kind = "dpo"
+class DPOTrainer(PairTrainer):
+    """Scores are the implicit rewards beta * (log pi - log pi_ref)."""
 
-    def __init__(self, cfg: DPOConfig, data: PairData, tokenizer: Any) -> None:
+    kind = "dpo"
+    score_name = "rewards"
+
+    def __init__(self, cfg: DPOConfig, data: OfflineData[Pair], tokenizer: Any) -> None:
         super().__init__(cfg, data.train, data.eval, tokenizer)
         self.dcfg = cfg
         self._reference_logprobs(data.train + data.eval)
@@ -94,7 +97,7 @@ class DPOTrainer(OfflineTrainer):
         logp = self.logprobs(module, batch, (idx, n))
         return sequence_logprobs(logp, batch.mask[idx, : n - 1])
 
-    def _loss(self, module: Any, pairs: list[Pair]) -> tuple[Any, Any]:
+    def pair_loss(self, module: Any, pairs: list[Pair]) -> tuple[Any, Any, Any]:
         import torch
 
         from agentrl.algorithms.preference import preference_loss
@@ -103,68 +106,11 @@ class DPOTrainer(OfflineTrainer):
         ref = torch.tensor([[p.ref_chosen, p.ref_rejected] for p in pairs], device=seq.device)
         out = preference_loss(seq[0::2], seq[1::2], ref[:, 0], ref[:, 1], beta=self.dcfg.beta,
                               kind=self.dcfg.loss, label_smoothing=self.dcfg.label_smoothing)
-        return out.loss_B, out
-
-    def train_step(self, items: list[Pair]) -> dict[str, float]:
-        import time
-
-        t0 = time.perf_counter()
-        num_pairs = float(len(items))
-        sums = {"loss": 0.0, "chosen": 0.0, "rejected": 0.0, "correct": 0.0}
-
-        def loss_fn(module: Any, pairs: list[Pair]) -> tuple[Any, dict[str, float]]:
-            loss_B, out = self._loss(module, pairs)
-            return loss_B.sum() / num_pairs, _pair_sums(loss_B, out)
-
-        step = self.cfg.micro_batch_size
-        for i in range(0, len(items), step):
-            m = self.backend.forward_backward(items[i : i + step], loss_fn)
-            for k in sums:
-                sums[k] += m[k]
-        stats = self.backend.optimizer_step()
-        return {**_pair_metrics(sums, num_pairs), "pairs": num_pairs,
-                "epoch": float(self.epoch), "time_step": time.perf_counter() - t0, **stats}
-
-    def evaluate(self) -> dict[str, float]:
-        import torch
-
-        if not self.held:
-            return {}
-        sums = {"loss": 0.0, "chosen": 0.0, "rejected": 0.0, "correct": 0.0}
-        with torch.no_grad():
-            for i in range(0, len(self.held), self.cfg.micro_batch_size):
-                loss_B, out = self._loss(self.backend.module,
-                                         self.held[i : i + self.cfg.micro_batch_size])
-                for k, v in _pair_sums(loss_B, out).items():
-                    sums[k] += v
-        return _pair_metrics(sums, float(len(self.held)))
-
-
-def _pair_sums(loss_B: Any, out: Any) -> dict[str, float]:
-    c, r = out.chosen_reward_B, out.rejected_reward_B
-    correct = (c > r).float() + 0.5 * (c == r).float()
-    return {"loss": float(loss_B.detach().sum()), "chosen": float(c.sum()),
-            "rejected": float(r.sum()), "correct": float(correct.sum())}
-
-
-def _pair_metrics(sums: dict[str, float], n: float) -> dict[str, float]:
-    n = max(n, 1.0)
-    return {"loss": sums["loss"] / n, "rewards/chosen": sums["chosen"] / n,
-            "rewards/rejected": sums["rejected"] / n,
-            "rewards/margin": (sums["chosen"] - sums["rejected"]) / n,
-            "rewards/accuracy": sums["correct"] / n}
+        return out.loss_B, out.chosen_reward_B, out.rejected_reward_B
 
 
 def run_dpo(cfg: DPOConfig) -> dict[str, Any]:
-    from agentrl.models import load_tokenizer
-
-    tokenizer = load_tokenizer(cfg.actor.model)
-    data = load_pairs(cfg, tokenizer)
-    resume = resume_point(cfg)
-    summary: dict[str, Any] = {"run_dir": cfg.run_dir, "train_pairs": len(data.train),
-                               "eval_pairs": len(data.eval), "skipped": data.skipped,
-                               "truncated": data.truncated}
-    return run_offline(cfg, DPOTrainer(cfg, data, tokenizer), resume, summary)
+    return train_offline(cfg, load_pairs, DPOTrainer, "pairs")
 
 
 def main(argv: list[str]) -> int:

@@ -16,14 +16,15 @@ import json
 import math
 import random
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from trainers.config import _DEFER, ActorConfig, deferred_validation
 
 C = TypeVar("C", bound="OfflineConfig")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,11 +77,56 @@ class OfflineConfig:
             raise ValueError("--max_steps, --eval_every and --save_every must be >= 0")
 
 
+@dataclass
+class OfflineData(Generic[T]):
+    """A trainer's examples, tokenized and checked before any model loads."""
+
+    train: list[T]
+    eval: list[T]
+    skipped: int = 0
+    """Rows or trajectories left out (bad rows with --bad_rows skip, filtered episodes)."""
+    truncated: int = 0
+    """Sequences cut to --max_len."""
+
+
 def held_out(row: Any, fraction: float) -> bool:
     """Whether `row` belongs to the held-out split: by a hash of its content, so equal rows
     land on the same side and the split does not depend on the file's order."""
     digest = hashlib.sha256(json.dumps(row, sort_keys=True, default=str).encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def read_examples(cfg: OfflineConfig, make: Callable[[dict, str], T], *,
+                  keys: Mapping[str, str] | None = None) -> tuple[list[T], list[T], int]:
+    """(train, held-out, skipped): `make(row, where)` of every row of --dataset (and
+    --eval_dataset), before any model loads. A row `make` refuses with a ValueError stops the
+    run with its place, or with --bad_rows skip is counted."""
+    from agentrl.data import read_rows
+
+    train: list[T] = []
+    held: list[T] = []
+    skipped = 0
+    sources = [(cfg.dataset, False)] + ([(cfg.eval_dataset, True)] if cfg.eval_dataset else [])
+    for path, is_eval in sources:
+        assert path is not None
+        rows = read_rows(path, keys=keys or {}, on_bad=cfg.bad_rows,
+                         what="--eval_dataset" if is_eval else "--dataset")
+        skipped += len(rows.skipped)
+        for row, where in zip(rows.rows, rows.where, strict=True):
+            try:
+                item = make(row, where)
+            except ValueError as e:
+                if cfg.bad_rows == "stop":
+                    raise ValueError(f"{e} (skip such rows with --bad_rows skip)") from None
+                skipped += 1
+                continue
+            out = held if is_eval or (not cfg.eval_dataset
+                                      and held_out(row, cfg.eval_fraction)) else train
+            out.append(item)
+    if not train:
+        raise ValueError(f"--dataset {cfg.dataset}: no training examples left (all held out "
+                         f"or skipped); lower --eval_fraction or fix the rows")
+    return train, held, skipped
 
 
 def truncate(trajs: Sequence[Any], max_len: int) -> int:
@@ -280,6 +326,22 @@ def run_offline(cfg: OfflineConfig, trainer: OfflineTrainer, resume: Path | None
     finally:
         log.close()
     return summary
+
+
+def train_offline(cfg: C, load: Callable[[C, Any], OfflineData[Any]],
+                  trainer: Callable[[C, OfflineData[Any], Any], OfflineTrainer],
+                  unit: str) -> dict[str, Any]:
+    """Load the data (before any model), build the trainer, train: the summary of the run,
+    counting its `unit`s ("examples", "pairs")."""
+    from agentrl.models import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.actor.model)
+    data = load(cfg, tokenizer)
+    resume = resume_point(cfg)
+    summary: dict[str, Any] = {"run_dir": cfg.run_dir, f"train_{unit}": len(data.train),
+                               f"eval_{unit}": len(data.eval), "skipped": data.skipped,
+                               "truncated": data.truncated}
+    return run_offline(cfg, trainer(cfg, data, tokenizer), resume, summary)
 
 
 def cli_main(config_cls: type[C], run: Callable[[C], dict[str, Any]], prog: str,

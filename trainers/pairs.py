@@ -10,11 +10,15 @@ rendered as an environment renders it. A pair whose replies are the same is a ba
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from trainers.config import _DEFER
-from trainers.offline import OfflineConfig, held_out, truncate
+from trainers.offline import OfflineConfig, OfflineData, OfflineTrainer, read_examples, truncate
 from trainers.sft import assistant_text
 
 
@@ -95,17 +99,8 @@ def pair_of(bridge: Any, row: dict, cfg: PairConfig, where: str) -> Pair:
     return Pair(trajectory(chosen), trajectory(rejected), margin=float(margin))
 
 
-@dataclass
-class PairData:
-    train: list[Pair]
-    eval: list[Pair]
-    skipped: int = 0
-    truncated: int = 0
-
-
-def load_pairs(cfg: PairConfig, tokenizer: Any) -> PairData:
+def load_pairs(cfg: PairConfig, tokenizer: Any) -> OfflineData[Pair]:
     """Every pair, tokenized and checked, before any model loads."""
-    from agentrl.data import read_rows
     from agentrl.envs.template import ChatTemplateBridge
 
     bridge = ChatTemplateBridge(tokenizer)
@@ -113,26 +108,63 @@ def load_pairs(cfg: PairConfig, tokenizer: Any) -> PairData:
             cfg.rejected_key: "--rejected_key"}
     if cfg.margin_key is not None:
         keys[cfg.margin_key] = "--margin_key"
-    out = PairData([], [])
-    sources = [(cfg.dataset, False)] + ([(cfg.eval_dataset, True)] if cfg.eval_dataset else [])
-    for path, is_eval in sources:
-        assert path is not None
-        rows = read_rows(path, keys=keys, on_bad=cfg.bad_rows,
-                         what="--eval_dataset" if is_eval else "--dataset")
-        out.skipped += len(rows.skipped)
-        for row, where in zip(rows.rows, rows.where, strict=True):
-            try:
-                pair = pair_of(bridge, row, cfg, where)
-            except ValueError as e:
-                if cfg.bad_rows == "stop":
-                    raise ValueError(f"{e} (skip such rows with --bad_rows skip)") from None
-                out.skipped += 1
-                continue
-            held = is_eval or (not cfg.eval_dataset and held_out(row, cfg.eval_fraction))
-            (out.eval if held else out.train).append(pair)
-    if not out.train:
-        raise ValueError(f"--dataset {cfg.dataset}: no training pairs left (all held out or "
-                         f"skipped); lower --eval_fraction or fix the rows")
+    train, held, skipped = read_examples(
+        cfg, lambda row, where: pair_of(bridge, row, cfg, where), keys=keys)
+    out = OfflineData(train, held, skipped=skipped)
     out.truncated = truncate([t for p in out.train + out.eval for t in (p.chosen, p.rejected)],
                              cfg.max_len)
     return out
+
+
+class PairTrainer(OfflineTrainer):
+    """An offline trainer on pairs: `pair_loss` gives each pair's loss and the scores of its
+    chosen and rejected replies; steps and evaluation report the loss, the mean scores, their
+    margin and the share of pairs ranked right (ties count half), under `score_name`."""
+
+    score_name = "score"
+
+    def pair_loss(self, module: Any, pairs: list[Pair]) -> tuple[Tensor, Tensor, Tensor]:
+        """(loss_B, chosen score_B, rejected score_B) of `pairs` under `module`."""
+        raise NotImplementedError
+
+    def _sums(self, module: Any, pairs: list[Pair], divisor: float) -> tuple[Tensor,
+                                                                            dict[str, float]]:
+        loss_B, c, r = self.pair_loss(module, pairs)
+        c, r = c.detach(), r.detach()
+        right = (c > r).float() + 0.5 * (c == r).float()
+        return loss_B.sum() / divisor, {"loss": float(loss_B.detach().sum()),
+                                        "chosen": float(c.sum()), "rejected": float(r.sum()),
+                                        "right": float(right.sum())}
+
+    def _metrics(self, sums: dict[str, float], n: float) -> dict[str, float]:
+        n, name = max(n, 1.0), self.score_name
+        return {"loss": sums["loss"] / n, f"{name}/chosen": sums["chosen"] / n,
+                f"{name}/rejected": sums["rejected"] / n,
+                f"{name}/margin": (sums["chosen"] - sums["rejected"]) / n,
+                f"{name}/accuracy": sums["right"] / n}
+
+    def train_step(self, items: list[Pair]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        num_pairs = float(len(items))  # losses are summed over pairs, / the step's pairs
+        sums = dict.fromkeys(("loss", "chosen", "rejected", "right"), 0.0)
+        step = self.cfg.micro_batch_size
+        for i in range(0, len(items), step):
+            m = self.backend.forward_backward(
+                items[i : i + step], lambda module, pairs: self._sums(module, pairs, num_pairs))
+            for k in sums:
+                sums[k] += m[k]
+        stats = self.backend.optimizer_step()
+        return {**self._metrics(sums, num_pairs), "pairs": num_pairs,
+                "epoch": float(self.epoch), "time_step": time.perf_counter() - t0, **stats}
+
+    def evaluate(self) -> dict[str, float]:
+        if not self.held:
+            return {}
+        sums = dict.fromkeys(("loss", "chosen", "rejected", "right"), 0.0)
+        step = self.cfg.micro_batch_size
+        with torch.no_grad():
+            for i in range(0, len(self.held), step):
+                _, m = self._sums(self.backend.module, self.held[i : i + step], 1.0)
+                for k in sums:
+                    sums[k] += m[k]
+        return self._metrics(sums, float(len(self.held)))

@@ -24,8 +24,8 @@ from typing import Any, Literal
 import torch
 
 from trainers.config import _DEFER, ActorConfig
-from trainers.offline import OfflineTrainer, cli_main, resume_point, run_offline
-from trainers.pairs import Pair, PairConfig, PairData, load_pairs
+from trainers.offline import OfflineData, cli_main, train_offline
+from trainers.pairs import Pair, PairConfig, PairTrainer, load_pairs
 
 MARKER = "agentrl_reward_model.json"
 
@@ -48,10 +48,13 @@ class RMConfig(PairConfig):
                              "--margin_key")
 
 
-class RMTrainer(OfflineTrainer):
-    kind = "rm"
+class RMTrainer(PairTrainer):
+    """Scores are the reward model's rewards."""
 
-    def __init__(self, cfg: RMConfig, data: PairData, tokenizer: Any) -> None:
+    kind = "rm"
+    score_name = "reward"
+
+    def __init__(self, cfg: RMConfig, data: OfflineData[Pair], tokenizer: Any) -> None:
         self.rcfg = cfg
         super().__init__(cfg, data.train, data.eval, tokenizer)
 
@@ -73,47 +76,15 @@ class RMTrainer(OfflineTrainer):
         with autocast(self.device, self.cfg.actor.mixed_precision):
             return module(**inputs, at=batch.lengths - 1).float()
 
-    def _loss(self, module: Any, pairs: list[Pair]) -> tuple[Any, Any]:
+    def pair_loss(self, module: Any, pairs: list[Pair]) -> tuple[Any, Any, Any]:
         from agentrl.algorithms.preference import reward_model_loss
 
         scores = self._scores(module, pairs)
         margin = (torch.tensor([p.margin for p in pairs], device=scores.device)
                   if self.rcfg.margin_key is not None else None)
-        loss_B = reward_model_loss(scores[0::2], scores[1::2], kind=self.rcfg.loss,
-                                   margin_B=margin)
-        return loss_B, scores
-
-    def train_step(self, items: list[Pair]) -> dict[str, float]:
-        import time
-
-        t0 = time.perf_counter()
-        num_pairs = float(len(items))
-        sums = dict.fromkeys(("loss", "chosen", "rejected", "correct"), 0.0)
-
-        def loss_fn(module: Any, pairs: list[Pair]) -> tuple[Any, dict[str, float]]:
-            loss_B, scores = self._loss(module, pairs)
-            return loss_B.sum() / num_pairs, _sums(loss_B, scores)
-
-        step = self.cfg.micro_batch_size
-        for i in range(0, len(items), step):
-            m = self.backend.forward_backward(items[i : i + step], loss_fn)
-            for k in sums:
-                sums[k] += m[k]
-        stats = self.backend.optimizer_step()
-        return {**_metrics(sums, num_pairs), "pairs": num_pairs, "epoch": float(self.epoch),
-                "time_step": time.perf_counter() - t0, **stats}
-
-    def evaluate(self) -> dict[str, float]:
-        if not self.held:
-            return {}
-        sums = dict.fromkeys(("loss", "chosen", "rejected", "correct"), 0.0)
-        with torch.no_grad():
-            for i in range(0, len(self.held), self.cfg.micro_batch_size):
-                loss_B, scores = self._loss(self.backend.module,
-                                            self.held[i : i + self.cfg.micro_batch_size])
-                for k, v in _sums(loss_B, scores).items():
-                    sums[k] += v
-        return _metrics(sums, float(len(self.held)))
+        chosen, rejected = scores[0::2], scores[1::2]
+        loss_B = reward_model_loss(chosen, rejected, kind=self.rcfg.loss, margin_B=margin)
+        return loss_B, chosen, rejected
 
     def export_hf(self, path: Path) -> None:
         """The language model (its backbone trained) at `path`, as the policy's export is,
@@ -121,19 +92,6 @@ class RMTrainer(OfflineTrainer):
         super().export_hf(path)
         save_reward_model(self.model, self.value_model.head, self.tokenizer,
                           path.parent / "reward_model", base=self.cfg.actor.model)
-
-
-def _sums(loss_B: Any, scores: Any) -> dict[str, float]:
-    c, r = scores[0::2].detach(), scores[1::2].detach()
-    correct = (c > r).float() + 0.5 * (c == r).float()
-    return {"loss": float(loss_B.detach().sum()), "chosen": float(c.sum()),
-            "rejected": float(r.sum()), "correct": float(correct.sum())}
-
-
-def _metrics(sums: dict[str, float], n: float) -> dict[str, float]:
-    n = max(n, 1.0)
-    return {"loss": sums["loss"] / n, "reward/chosen": sums["chosen"] / n,
-            "reward/rejected": sums["rejected"] / n, "accuracy": sums["correct"] / n}
 
 
 def save_reward_model(lm: Any, head: torch.nn.Module, tokenizer: Any, path: Path, *,
@@ -168,15 +126,7 @@ def load_reward_model(path: str | Path) -> Any:
 
 
 def run_rm(cfg: RMConfig) -> dict[str, Any]:
-    from agentrl.models import load_tokenizer
-
-    tokenizer = load_tokenizer(cfg.actor.model)
-    data = load_pairs(cfg, tokenizer)
-    resume = resume_point(cfg)
-    summary: dict[str, Any] = {"run_dir": cfg.run_dir, "train_pairs": len(data.train),
-                               "eval_pairs": len(data.eval), "skipped": data.skipped,
-                               "truncated": data.truncated}
-    summary = run_offline(cfg, RMTrainer(cfg, data, tokenizer), resume, summary)
+    summary = train_offline(cfg, load_pairs, RMTrainer, "pairs")
     summary["reward_model"] = str(Path(cfg.run_dir) / "reward_model")
     return summary
 

@@ -25,11 +25,12 @@ from typing import Any
 from trainers.config import _DEFER
 from trainers.offline import (
     OfflineConfig,
+    OfflineData,
     OfflineTrainer,
     cli_main,
     held_out,
-    resume_point,
-    run_offline,
+    read_examples,
+    train_offline,
     truncate,
 )
 
@@ -122,47 +123,21 @@ def _messages(row: dict, cfg: SFTConfig, where: str) -> list[dict]:
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
 
 
-@dataclass
-class SFTData:
-    train: list[Any]
-    eval: list[Any]
-    skipped: int = 0
-    truncated: int = 0
-
-
-def load_sft_data(cfg: SFTConfig, tokenizer: Any) -> SFTData:
+def load_sft_data(cfg: SFTConfig, tokenizer: Any) -> OfflineData[Any]:
     """Every example, tokenized and checked, before any model loads."""
     if cfg.trajectories is not None:
         return _trajectory_data(cfg)
-    from agentrl.data import read_rows
     from agentrl.envs.template import ChatTemplateBridge
 
     bridge = ChatTemplateBridge(tokenizer)
-    out = SFTData([], [])
-    sources = [(cfg.dataset, False)] + ([(cfg.eval_dataset, True)] if cfg.eval_dataset else [])
-    for path, is_eval in sources:
-        assert path is not None
-        rows = read_rows(path, on_bad=cfg.bad_rows,
-                         what="--eval_dataset" if is_eval else "--dataset")
-        out.skipped += len(rows.skipped)
-        for row, where in zip(rows.rows, rows.where, strict=True):
-            try:
-                traj = chat_trajectory(bridge, _messages(row, cfg, where), where)
-            except ValueError as e:
-                if cfg.bad_rows == "stop":
-                    raise ValueError(f"{e} (skip such rows with --bad_rows skip)") from None
-                out.skipped += 1
-                continue
-            held = is_eval or (not cfg.eval_dataset and held_out(row, cfg.eval_fraction))
-            (out.eval if held else out.train).append(traj)
-    if not out.train:
-        raise ValueError(f"--dataset {cfg.dataset}: no training examples left (all held out "
-                         f"or skipped); lower --eval_fraction or fix the rows")
+    train, held, skipped = read_examples(
+        cfg, lambda row, where: chat_trajectory(bridge, _messages(row, cfg, where), where))
+    out = OfflineData[Any](train, held, skipped=skipped)
     out.truncated = truncate(out.train + out.eval, cfg.max_len)
     return out
 
 
-def _trajectory_data(cfg: SFTConfig) -> SFTData:
+def _trajectory_data(cfg: SFTConfig) -> OfflineData[Any]:
     from agentrl.types import iter_jsonl
 
     assert cfg.trajectories is not None
@@ -188,7 +163,7 @@ def _trajectory_data(cfg: SFTConfig) -> SFTData:
         (held if held_out({"uid": t.uid}, cfg.eval_fraction) else train).append(t)
     if not train:
         train, held = held, []
-    out = SFTData(train, held, skipped=dropped)
+    out = OfflineData[Any](train, held, skipped=dropped)
     out.truncated = truncate(out.train + out.eval, cfg.max_len)
     return out
 
@@ -199,7 +174,7 @@ def _trajectory_data(cfg: SFTConfig) -> SFTData:
 class SFTTrainer(OfflineTrainer):
     kind = "sft"
 
-    def __init__(self, cfg: SFTConfig, data: SFTData, tokenizer: Any) -> None:
+    def __init__(self, cfg: SFTConfig, data: OfflineData[Any], tokenizer: Any) -> None:
         super().__init__(cfg, data.train, data.eval, tokenizer)
 
     def _micro_batches(self, batch: Any) -> Any:
@@ -249,15 +224,7 @@ class SFTTrainer(OfflineTrainer):
 
 
 def run_sft(cfg: SFTConfig) -> dict[str, Any]:
-    from agentrl.models import load_tokenizer
-
-    tokenizer = load_tokenizer(cfg.actor.model)
-    data = load_sft_data(cfg, tokenizer)
-    resume = resume_point(cfg)
-    summary: dict[str, Any] = {"run_dir": cfg.run_dir, "train_examples": len(data.train),
-                               "eval_examples": len(data.eval), "skipped": data.skipped,
-                               "truncated": data.truncated}
-    return run_offline(cfg, SFTTrainer(cfg, data, tokenizer), resume, summary)
+    return train_offline(cfg, load_sft_data, SFTTrainer, "examples")
 
 
 def main(argv: list[str]) -> int:

@@ -40,8 +40,8 @@ def _cfg(tmp_path, **kw):
                          ids=["sigmoid", "logexp", "margin"])
 def test_held_out_pairwise_accuracy_rises_and_the_model_loads_back(tmp_path, kw):
     summary = run_rm(_cfg(tmp_path, epochs=4, **kw))
-    assert summary["eval_before"]["eval/accuracy"] == 0.5  # a zero head: every pair ties
-    assert summary["eval_after"]["eval/accuracy"] >= 0.7
+    assert summary["eval_before"]["eval/reward/accuracy"] == 0.5  # a zero head: every pair ties
+    assert summary["eval_after"]["eval/reward/accuracy"] >= 0.7
     if "margin_key" not in kw:  # a margin of 1 between unseen replies is the harder target
         assert summary["eval_after"]["eval/loss"] < summary["eval_before"]["eval/loss"]
     rm = load_reward_model(summary["reward_model"])
