@@ -155,6 +155,7 @@ class Trainer:
 
         cfg = self.cfg
         placed = cfg.rollout.mode == "placed"
+        self.engine_actors: list[Any] = []  # --rollout.num_engines' extra EngineWorker actors
         # The policy samples only when colocated and not replaying recorded rollouts ... and for
         # evals, which run on the rollout worker when there is one.
         engine = not placed and (cfg.replay is None or cfg.eval_problems > 0)
@@ -199,7 +200,8 @@ class Trainer:
                 extra = [ray.remote(EngineWorker).options(**opts).remote(cfg)
                          for opts in rollout_opts[1:]]
                 worker = ray.remote(RolloutWorker).options(**rollout_opts[0]).remote(
-                    cfg, engine_weight_transfer(self.weight_sync), extra)
+                    cfg, engine_weight_transfer(self.weight_sync), extra, rollout_opts[1:])
+                self.engine_actors = extra
                 self.rollout = _Handle(worker, True)
         else:
             import torch

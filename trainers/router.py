@@ -10,16 +10,30 @@ Weight updates go to every engine with the same version: `update_weights` hands 
 same tensors (a bucket at a time when the caller sends buckets) and the router's `version` is
 the oldest engine's. Engines are anything with the engine protocol's async `generate` (and
 `generate_stream` for streaming): local engines, or handles of engines in other processes.
+
+An engine whose process dies (its calls raise `EngineGone`) costs only its calls in flight: each
+is sent again to a live engine (a conversation moves with it), the dead engine gets no more
+calls, and with a `restart` function the router replaces it in a background thread (the new
+engine must already hold the current weights) and counts the restart.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import AsyncIterator, Sequence
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from agentrl.engine.affinity import affinity_key
+from agentrl.engine.base import GenerationError
 from agentrl.types import Completion, CompletionDelta, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineGone(GenerationError):
+    """The engine's process is gone; its calls can be sent to another engine."""
 
 
 def engine_devices(num_engines: int, device: str, *, gpus: int, engine: str = "transformers",
@@ -50,10 +64,18 @@ def engine_devices(num_engines: int, device: str, *, gpus: int, engine: str = "t
 
 
 class EngineRouter:
-    def __init__(self, engines: Sequence[Any], *, max_conversations: int = 1 << 16) -> None:
+    def __init__(self, engines: Sequence[Any], *, max_conversations: int = 1 << 16,
+                 restart: Callable[[int], Any] | None = None) -> None:
+        """`restart(i)`: a new engine to replace engine `i`, which died (called in a thread)."""
         if not engines:
             raise ValueError("a router needs at least one engine")
         self.engines = list(engines)
+        self.alive = [True] * len(self.engines)
+        self.restart = restart
+        self.restarts = 0
+        self._update_lock = threading.Lock()  # a restart and a weight update, one at a time
+        self.retried = 0
+        """Calls sent again because their engine died."""
         self.outstanding = [0] * len(self.engines)
         """Tokens of work in flight per engine (prompt + the most it may sample)."""
         self.routed = [0] * len(self.engines)
@@ -66,11 +88,14 @@ class EngineRouter:
         """The engine for a call of `cost` tokens in conversation `key` (None: any)."""
         if key is not None:
             i = self._sticky.get(key)
-            if i is not None:
+            if i is not None and self.alive[i]:
                 self._sticky.move_to_end(key)
                 return i
-        n = len(self.engines)
-        i = min(range(n), key=lambda j: (self.outstanding[j], self.routed[j], j))
+        live = [j for j, ok in enumerate(self.alive) if ok]
+        if not live:
+            raise GenerationError("every engine is gone (their processes died); see the log for "
+                                  "why, and restart the run")
+        i = min(live, key=lambda j: (self.outstanding[j], self.routed[j], j))
         if key is not None:
             self._sticky[key] = i
             if len(self._sticky) > self.max_conversations:
@@ -89,13 +114,49 @@ class EngineRouter:
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                        images: Sequence[Any] | None = None) -> list[Completion]:
         cost = self.cost(prompt_ids, params)
-        i = self.pick(cost, affinity_key.get())
-        self.outstanding[i] += cost
-        self.routed[i] += 1
-        try:
-            return list(await self.engines[i].generate(prompt_ids, params, images))
-        finally:
-            self.outstanding[i] -= cost
+        key = affinity_key.get()
+        while True:
+            i = self.pick(cost, key)
+            if key is not None:  # a conversation whose engine died moves with its retry
+                self._sticky[key] = i
+            engine = self.engines[i]
+            self.outstanding[i] += cost
+            self.routed[i] += 1
+            try:
+                return list(await engine.generate(prompt_ids, params, images))
+            except EngineGone as e:
+                self._lost(i, engine, e)
+                self.retried += 1
+            finally:
+                self.outstanding[i] -= cost
+
+    def _lost(self, i: int, engine: Any, error: BaseException) -> None:
+        """Engine `i` died: no more calls to it; replace it if the router can."""
+        if self.engines[i] is not engine or not self.alive[i]:
+            return  # already known (another call saw it first) or already replaced
+        self.alive[i] = False
+        logger.warning("engine %d is gone (%s); its calls go to the others%s", i, error,
+                       ", and it is restarted" if self.restart else "")
+        if self.restart is None:
+            return
+        restart = self.restart
+
+        def replace() -> None:
+            # Under the update lock: `restart` loads the current weights into the new engine,
+            # and no update can slip in between.
+            with self._update_lock:
+                try:
+                    fresh = restart(i)
+                except Exception:  # a failed restart leaves the others working
+                    logger.exception("restarting engine %d failed; the run goes on without it",
+                                     i)
+                    return
+                self.engines[i] = fresh
+                self.outstanding[i] = 0
+                self.alive[i] = True
+                self.restarts += 1
+
+        threading.Thread(target=replace, name=f"agentrl-restart-engine-{i}", daemon=True).start()
 
     async def generate_stream(self, prompt_ids: Sequence[int], params: SamplingParams,
                               images: Sequence[Any] | None = None,
@@ -120,7 +181,8 @@ class EngineRouter:
 
     @property
     def version(self) -> int:
-        return min(int(e.version) for e in self.engines)
+        live = [e for e, ok in zip(self.engines, self.alive, strict=True) if ok] or self.engines
+        return min(int(e.version) for e in live)
 
     @property
     def max_context(self) -> int:
@@ -134,8 +196,14 @@ class EngineRouter:
         """The same tensors, as `version`, into every engine (an iterator is read once)."""
         items = (list(named_tensors.items()) if hasattr(named_tensors, "items")
                  else list(named_tensors))
-        for engine in self.engines:
-            engine.update_weights(items, version)
+        with self._update_lock:
+            for i, engine in enumerate(self.engines):
+                if not self.alive[i]:
+                    continue
+                try:
+                    engine.update_weights(items, version)
+                except EngineGone as e:
+                    self._lost(i, engine, e)
 
     def abort(self, request_id: str) -> bool:
         """Abort `request_id` on whichever engine has it (every engine is asked)."""
@@ -158,4 +226,5 @@ class EngineRouter:
 
     def stats(self) -> dict[str, Any]:
         return {"engines": len(self.engines), "routed": list(self.routed),
-                "outstanding": list(self.outstanding), "conversations": len(self._sticky)}
+                "outstanding": list(self.outstanding), "conversations": len(self._sticky),
+                "alive": list(self.alive), "restarts": self.restarts, "retried": self.retried}

@@ -258,13 +258,25 @@ class RemoteEngine:
 
     async def generate(self, prompt_ids: Any, params: SamplingParams,
                        images: Any = None) -> list[Any]:
-        return list(await self.actor.generate.remote(list(prompt_ids), params, images))
+        import ray
+
+        from trainers.router import EngineGone
+
+        try:
+            return list(await self.actor.generate.remote(list(prompt_ids), params, images))
+        except ray.exceptions.RayActorError as e:
+            raise EngineGone(f"engine actor died: {e}") from e
 
     def update_weights(self, named: Any, version: int) -> None:
         import ray
 
+        from trainers.router import EngineGone
+
         items = list(named.items()) if hasattr(named, "items") else list(named)
-        ray.get(self.actor.update_weights.remote(items, version))
+        try:
+            ray.get(self.actor.update_weights.remote(items, version))
+        except ray.exceptions.RayActorError as e:
+            raise EngineGone(f"engine actor died: {e}") from e
         self.version = version
 
     def sleep(self) -> None:
@@ -286,12 +298,18 @@ class RolloutWorker:
     episodes go through a router (trainers/router.py) over all of them."""
 
     def __init__(self, cfg: TrainConfig, weight_transfer: str | None = None,
-                 extra_engines: list[Any] | None = None) -> None:
+                 extra_engines: list[Any] | None = None,
+                 extra_options: list[dict[str, Any]] | None = None) -> None:
+        """`extra_engines`: EngineWorker actors, made with `extra_options` (with which a dead
+        one is restarted)."""
         from agentrl.models import load_tokenizer
 
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.actor.model)
         self.model, engine = _own_engine(cfg, self.tokenizer, weight_transfer)
+        self._extra_options = list(extra_options or [{} for _ in extra_engines or ()])
+        self._last_weights: list[tuple[str, torch.Tensor]] | None = None
+        self._pending: dict[str, torch.Tensor] = {}  # weight-sync buckets of the next version
         engines = [engine]
         if extra_engines:
             engines += [RemoteEngine(a) for a in extra_engines]
@@ -301,10 +319,24 @@ class RolloutWorker:
         if len(engines) > 1:
             from trainers.router import EngineRouter
 
-            self.engine: Any = EngineRouter(engines)
+            self.engine: Any = EngineRouter(
+                engines, restart=self._restart_engine if extra_engines else None)
         else:
             self.engine = engine
-        self._pending: dict[str, torch.Tensor] = {}  # weight-sync buckets of the next version
+
+    def _restart_engine(self, i: int) -> Any:
+        """A new EngineWorker in place of engine `i` (a dead actor), with the current weights:
+        this worker's model copy holds them (transformers), or the last update's (vLLM)."""
+        import ray
+
+        actor = ray.remote(EngineWorker).options(**self._extra_options[i - 1]).remote(self.cfg)
+        fresh = RemoteEngine(actor)
+        version = self.engine.version
+        weights = (list(self.model.state_dict().items()) if self.model is not None
+                   else self._last_weights)
+        if weights is not None and version != fresh.version:
+            fresh.update_weights(weights, version)
+        return fresh
 
     def collect(self, seeds: list[int], step: int) -> list[Trajectory]:
         fn = collect_agent_episodes if self.cfg.agent else collect_for_step
@@ -317,6 +349,9 @@ class RolloutWorker:
         if last:
             pending, self._pending = self._pending, {}
             self.engine.update_weights(pending, version)
+            if self.model is None and self._extra_options:
+                # vLLM keeps its weights in its processes: a restarted engine needs these.
+                self._last_weights = list(pending.items())
         return version
 
     def weight_transfer(self, step: str, *args: Any) -> None:

@@ -64,6 +64,46 @@ def test_two_engines_behind_the_router_both_sample_and_both_get_the_weights(ray_
     assert trainer.rollout.call("version") == 3
 
 
+def test_a_killed_engine_actor_is_restarted_and_the_run_goes_on(ray_cluster, make_cfg):
+    """#16 item 2: killing an EngineWorker mid-run costs no trajectory: its calls go to the
+    live engine, the dead one is restarted with the current weights, and the run finishes with
+    every step, later ones sampled on both engines again."""
+    import threading
+    import time
+
+    import ray
+
+    from agentrl.types import load_jsonl
+
+    cfg = make_cfg(use_ray=True, steps=6, rollout={"mode": "placed", "num_engines": 2})
+    trainer = Trainer(cfg)
+    seen: dict = {}
+
+    def kill_after_two_steps() -> None:
+        metrics = Path(cfg.run_dir) / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if metrics.exists() and metrics.read_text().count('"reward"') >= 2:
+                break
+            time.sleep(0.1)
+        seen["before"] = trainer.rollout.call("engine_stats")["routed"][1]
+        ray.kill(trainer.engine_actors[0])
+
+    killer = threading.Thread(target=kill_after_two_steps)
+    trainer.on_started.append(killer.start)
+    trainer.run()
+    killer.join()
+    rows = _metrics(cfg.run_dir)
+    assert [r["step"] for r in rows if "reward" in r] == [1, 2, 3, 4, 5, 6]
+    stats = trainer.rollout.call("engine_stats")
+    assert stats["restarts"] == 1 and all(stats["alive"]), stats
+    assert stats["routed"][1] > seen["before"] + stats["retried"]  # the new engine sampled
+    for step in range(1, 7):
+        trajs = load_jsonl(Path(cfg.run_dir) / "rollouts" / f"step_{step:06d}.jsonl")
+        assert len(trajs) == cfg.rollout_batch_size and not any(t.discard for t in trajs)
+        assert {v for t in trajs for v in t.policy_versions} == {step - 1}
+
+
 def test_colocated_ray_run_and_dead_actor(ray_cluster, make_cfg):
     import ray
 

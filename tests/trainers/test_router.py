@@ -144,3 +144,62 @@ def test_a_run_with_more_engines_than_gpus_is_refused_with_the_arithmetic(tmp_pa
     preflight(cfg, gpus=5)
     with pytest.raises(ValueError, match="needs --rollout.mode placed"):
         build_config(["--env", "digits", "--rollout.num_engines", "2"])
+
+
+class Dying(Held):
+    """Dies (EngineGone) on its `fail_at`-th call, and on every call after."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at, self.dead = fail_at, False
+        self.release.set()
+
+    async def generate(self, prompt_ids, params, images=None):
+        from trainers.router import EngineGone
+
+        if self.dead or len(self.calls) + 1 >= self.fail_at:
+            self.dead = True
+            raise EngineGone("its process died")
+        return await super().generate(prompt_ids, params, images)
+
+
+async def test_a_dead_engine_costs_only_a_retry_and_is_restarted():
+    """#16 item 2: calls on an engine that dies go to the live ones (their conversation
+    with them), and the restart function's fresh engine takes its place."""
+    import threading
+
+    fresh = Held()
+    fresh.release.set()
+    restarted = threading.Event()
+
+    def restart(i: int):
+        assert i == 1
+        restarted.set()
+        return fresh
+
+    good, dying = Held(), Dying(fail_at=2)
+    good.release.set()
+    router = EngineRouter([good, dying], restart=restart)
+
+    async def episode(key: str) -> list[int]:
+        out = []
+        with conversation(key):
+            for _ in range(3):
+                [c] = await router.generate([1, 2, 3], SamplingParams(max_tokens=2))
+                out += c.token_ids
+        return out
+
+    results = await asyncio.gather(*(episode(f"ep{i}") for i in range(4)))
+    assert all(r == [7] * 6 for r in results)  # every episode finished, nothing lost
+    assert router.retried >= 1 and restarted.wait(5)
+    for _ in range(100):  # the replacement lands from its thread
+        if router.alive[1]:
+            break
+        await asyncio.sleep(0.01)
+    assert router.alive == [True, True] and router.restarts == 1
+    assert router.engines[1] is fresh
+    await asyncio.gather(*(episode(f"later{i}") for i in range(4)))
+    assert fresh.calls  # the replacement takes calls again
+    with pytest.raises(Exception, match="every engine is gone"):
+        lone = EngineRouter([Dying(fail_at=1)])
+        await lone.generate([1], SamplingParams(max_tokens=1))
