@@ -31,8 +31,12 @@ def test_openai_agents_sdk_example_records_trajectories():
     episodes = re.findall(
         r"^ep\d+-\S+: (\d+) tokens, (\d+) turns, reward ([\d.]+)$", out.stdout, re.MULTILINE
     )
-    assert len(episodes) >= 2, out.stdout
+    assert len(episodes) >= 2, out.stdout + out.stderr[-3000:]
     assert all(int(tokens) > 0 for tokens, _, _ in episodes)
+    # A random tiny model may make the agent give up (its episode still counts); the proxy
+    # itself must never refuse or fail the SDK's requests.
+    for error in ("BadRequestError", "InternalServerError", "APIStatusError"):
+        assert error not in out.stderr, out.stderr[-3000:]
 
 
 @pytest.mark.slow
