@@ -38,8 +38,13 @@ def init_ray(num_cpus: int | None = None, address: str | None = None) -> None:
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address is not None:
         _check_answers(address)
+        # A joined cluster's workers were started by `ray start`, not by this process: hand
+        # them the settings that keep a run quiet (trainers.cli.quiet_third_party).
+        quiet = {k: os.environ[k] for k in ("DS_ACCELERATOR", "HF_HUB_DISABLE_PROGRESS_BARS")
+                 if k in os.environ}
         try:
-            ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
+            ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING,
+                     runtime_env={"env_vars": quiet} if quiet else None)
         except ConnectionError as e:
             raise ValueError(f"--ray.address {address}: {e}. Start one with `ray start --head`, "
                              f"or leave --ray.address (and RAY_ADDRESS) unset for a private "
