@@ -21,10 +21,11 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+from machine import run_child  # benchmarks/machine.py
 
 PROMPTS = [
     "What is 2+3?",
@@ -181,19 +182,6 @@ def _child(opts: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(out))
 
 
-def _spawn(which: str, argv: list[str]) -> dict:
-    proc = subprocess.run(
-        [sys.executable, __file__, *argv, "--child", which],
-        check=False,  # a failed child is reported below, with its stderr
-        capture_output=True,
-        text=True,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"{which} failed:\n{proc.stderr[-3000:]}")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=6)
@@ -221,7 +209,7 @@ def main() -> None:
     # The VM's speed drifts by tens of percent between minutes: alternate the two sides and
     # compare each round's pair, rather than one long run of each.
     rounds = [
-        {name: _spawn(name, sys.argv[1:]) for name in ("trl", "agentrl")}
+        {name: run_child(__file__, sys.argv[1:], name) for name in ("trl", "agentrl")}
         for _ in range(args.rounds)
     ]
     precision = "bf16 mixed" if args.bf16 else "fp32"

@@ -22,12 +22,10 @@ import random
 import resource
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
-from machine import cpu_description  # benchmarks/machine.py
+from machine import cpu_description, run_child  # benchmarks/machine.py
 
 WORDS = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "rocket", "garden",
          "window", "yellow", "silver", "planet", "coffee", "bridge", "mountain"]
@@ -119,15 +117,6 @@ def _child(which: str, steps: int) -> None:
     print("RESULT " + json.dumps(out))
 
 
-def _spawn(which: str, steps: int) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--steps", str(steps), "--child", which],
-                          check=False, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"{which} failed:\n{proc.stderr[-3000:]}")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=6)
@@ -139,8 +128,8 @@ def main() -> None:
         return
     ratios, rows = [], []
     for r in range(opts.rounds):
-        trl = _spawn("trl", opts.steps)
-        ours = _spawn("agentrl", opts.steps)
+        trl = run_child(__file__, ["--steps", str(opts.steps)], "trl")
+        ours = run_child(__file__, ["--steps", str(opts.steps)], "agentrl")
         t_trl = statistics.median(trl["step_times"][1:])
         t_ours = statistics.median(ours["step_times"][1:])
         ratios.append(t_trl / t_ours)
