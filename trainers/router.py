@@ -193,15 +193,26 @@ class EngineRouter:
         return getattr(self.engines[0], "tokenizer", None)
 
     def update_weights(self, named_tensors: Any, version: int) -> None:
-        """The same tensors, as `version`, into every engine (an iterator is read once)."""
+        """The same tensors, as `version`, into every engine (an iterator is read once). Engines
+        in other processes that can start an update without waiting (`start_update`) load at
+        the same time, while this process's own engines load theirs."""
         items = (list(named_tensors.items()) if hasattr(named_tensors, "items")
                  else list(named_tensors))
         with self._update_lock:
+            started = []
             for i, engine in enumerate(self.engines):
-                if not self.alive[i]:
+                if self.alive[i] and hasattr(engine, "start_update"):
+                    started.append((i, engine, engine.start_update(items, version)))
+            for i, engine in enumerate(self.engines):
+                if not self.alive[i] or hasattr(engine, "start_update"):
                     continue
                 try:
                     engine.update_weights(items, version)
+                except EngineGone as e:
+                    self._lost(i, engine, e)
+            for i, engine, pending in started:
+                try:
+                    engine.finish_update(pending, version)
                 except EngineGone as e:
                     self._lost(i, engine, e)
 

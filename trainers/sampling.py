@@ -267,17 +267,24 @@ class RemoteEngine:
         except ray.exceptions.RayActorError as e:
             raise EngineGone(f"engine actor died: {e}") from e
 
-    def update_weights(self, named: Any, version: int) -> None:
+    def start_update(self, named: Any, version: int) -> Any:
+        """Send the weights and return at once (the router waits for several together)."""
+        items = list(named.items()) if hasattr(named, "items") else list(named)
+        return self.actor.update_weights.remote(items, version)
+
+    def finish_update(self, pending: Any, version: int) -> None:
         import ray
 
         from trainers.router import EngineGone
 
-        items = list(named.items()) if hasattr(named, "items") else list(named)
         try:
-            ray.get(self.actor.update_weights.remote(items, version))
+            ray.get(pending)
         except ray.exceptions.RayActorError as e:
             raise EngineGone(f"engine actor died: {e}") from e
         self.version = version
+
+    def update_weights(self, named: Any, version: int) -> None:
+        self.finish_update(self.start_update(named, version), version)
 
     def sleep(self) -> None:
         pass

@@ -203,3 +203,30 @@ async def test_a_dead_engine_costs_only_a_retry_and_is_restarted():
     with pytest.raises(Exception, match="every engine is gone"):
         lone = EngineRouter([Dying(fail_at=1)])
         await lone.generate([1], SamplingParams(max_tokens=1))
+
+
+def test_engines_in_other_processes_load_an_update_at_the_same_time():
+    """Engines with start_update/finish_update (Ray actors) all start loading before the
+    router waits for any of them; this process's engines load in between."""
+    events: list[str] = []
+
+    class Remote(Held):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+
+        def start_update(self, named, version):
+            events.append(f"start {self.name}")
+            return (list(named), version)
+
+        def finish_update(self, pending, version):
+            events.append(f"finish {self.name}")
+            self.weights.append(pending)
+            self.version = version
+
+    local, a, b = Held(), Remote("a"), Remote("b")
+    router = EngineRouter([local, a, b])
+    router.update_weights({"w": 1}, version=2)
+    assert events == ["start a", "start b", "finish a", "finish b"]
+    assert local.weights == a.weights == b.weights == [([("w", 1)], 2)]
+    assert router.version == 2
