@@ -173,14 +173,12 @@ class AlgoConfig:
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError("--algo.kl_coef and --algo.entropy_coef must be >= 0")
         if self.critic_init is not None:
-            from trainers.rm import MARKER
+            from trainers.rm import check_reward_model
 
             if self.estimator != "gae":
                 raise ValueError("--algo.critic_init starts PPO's critic; it needs "
                                  "--algo.estimator gae")
-            if not (Path(self.critic_init) / MARKER).is_file():
-                raise ValueError(f"--algo.critic_init {self.critic_init}: not a reward model "
-                                 f"saved by `agentrl rm` (RUN_DIR/reward_model)")
+            check_reward_model(self.critic_init, "--algo.critic_init")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -331,11 +329,9 @@ class RewardConfig:
             raise ValueError("pass --reward.url (a reward service) or --reward.model (a reward "
                              "model), not both")
         if self.model is not None:
-            from trainers.rm import MARKER
+            from trainers.rm import check_reward_model
 
-            if not (Path(self.model) / MARKER).is_file():
-                raise ValueError(f"--reward.model {self.model}: not a reward model saved by "
-                                 f"`agentrl rm` (it is RUN_DIR/reward_model, with {MARKER})")
+            check_reward_model(self.model, "--reward.model")
         if self.num_gpus < 0:
             raise ValueError(f"--reward.num_gpus must be >= 0, got {self.num_gpus}")
         if not self.timeout_s > 0 or self.retries < 0 or self.max_batch < 1:

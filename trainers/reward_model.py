@@ -60,7 +60,7 @@ class ModelReward(BatchedReward):
     """`reward_fn(prompt, response, label)` scored by a reward model (the label is unused)."""
 
     def __init__(self, path: str, *, max_batch: int = 64, num_gpus: float = 0.0,
-                 window_s: float = 0.01, **_: Any) -> None:
+                 window_s: float = 0.01) -> None:
         super().__init__(f"reward model {path}", max_batch=max_batch, window_s=window_s)
         self.path, self.num_gpus = path, num_gpus
         self._scorer: Any = None

@@ -111,15 +111,23 @@ def save_reward_model(lm: Any, head: torch.nn.Module, tokenizer: Any, path: Path
                                            "score": "value head at the last token"}, indent=2))
 
 
+def check_reward_model(path: str | Path, what: str = "") -> Path:
+    """`path` as a Path, or a ValueError unless it is a directory `save_reward_model` wrote
+    (`what`: the flag that named it, for the message)."""
+    p = Path(path)
+    if not (p / MARKER).is_file() or not (p / "value_head.pt").is_file():
+        name = f"{what} {p}" if what else repr(str(p))
+        raise ValueError(f"{name}: not a reward model saved by `agentrl rm` (expected {MARKER} "
+                         f"and value_head.pt; it is RUN_DIR/reward_model)")
+    return p
+
+
 def load_reward_model(path: str | Path) -> Any:
     """The reward model saved by `agentrl rm`, as a ValueModel (in eval mode)."""
     from agentrl.models import load_model
     from trainers.critic import ValueModel
 
-    p = Path(path)
-    if not (p / MARKER).is_file() or not (p / "value_head.pt").is_file():
-        raise ValueError(f"{str(p)!r} is not a reward model saved by `agentrl rm` (expected "
-                         f"{MARKER} and value_head.pt; it is RUN_DIR/reward_model)")
+    p = check_reward_model(path)
     model = ValueModel(load_model(str(p)))
     model.head.load_state_dict(torch.load(p / "value_head.pt", weights_only=True))
     return model.eval()

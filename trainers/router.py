@@ -102,10 +102,6 @@ class EngineRouter:
                 self._sticky.popitem(last=False)
         return i
 
-    def forget(self, key: str) -> None:
-        """End conversation `key` (its next call may go anywhere)."""
-        self._sticky.pop(key, None)
-
     @staticmethod
     def cost(prompt_ids: Sequence[int], params: SamplingParams) -> int:
         return len(prompt_ids) + params.max_tokens * params.n
@@ -187,10 +183,6 @@ class EngineRouter:
     @property
     def max_context(self) -> int:
         return min(int(e.max_context) for e in self.engines)
-
-    @property
-    def tokenizer(self) -> Any:
-        return getattr(self.engines[0], "tokenizer", None)
 
     def update_weights(self, named_tensors: Any, version: int) -> None:
         """The same tensors, as `version`, into every engine (an iterator is read once). Engines
