@@ -112,11 +112,16 @@ class Completion:
     logprobs: list[float] | None
     finish_reason: FinishReason
     policy_version: int = 0
-    """Version of the weights that sampled every token of this completion."""
+    """Version of the weights that sampled the first token (every token, unless
+    `version_changes` says otherwise)."""
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended it, if any."""
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """Per position, the most likely (token id, logprob) pairs, if asked for."""
+    version_changes: list[tuple[int, int]] = field(default_factory=list)
+    """Partial rollout: (i, v) = the weights changed to version v while this completion was
+    sampled, and tokens i, i+1, ... were sampled by v (with v's log-probs). Empty when one
+    version sampled every token."""
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:
@@ -128,6 +133,60 @@ class Completion:
             raise ValueError(
                 f"Completion has {len(self.token_ids)} tokens but {len(self.logprobs)} logprobs"
             )
+        check_version_changes(self.version_changes, len(self.token_ids), "Completion")
+
+    def token_versions(self) -> list[int]:
+        """The version that sampled each token."""
+        return expand_versions(self.policy_version, self.version_changes, len(self.token_ids))
+
+    def delta(self, index: int, start: int = 0, stop: int | None = None,
+              last: bool = True) -> CompletionDelta:
+        """Tokens [start, stop) as choice `index`'s delta, ending the choice if `last`."""
+        stop = len(self.token_ids) if stop is None else stop
+        first, changes = shift_version_changes(self.version_changes, start, stop)
+        return CompletionDelta(
+            index=index,
+            token_ids=self.token_ids[start:stop],
+            logprobs=self.logprobs[start:stop] if self.logprobs is not None else None,
+            top_logprobs=(self.top_logprobs[start:stop] if self.top_logprobs is not None
+                          else None),
+            finish_reason=self.finish_reason if last else None,
+            policy_version=self.policy_version if first is None else first,
+            stop_reason=self.stop_reason if last else None,
+            version_changes=tuple(changes),
+        )
+
+
+def check_version_changes(changes: Sequence[tuple[int, int]], n: int, what: str) -> None:
+    """`changes` are (index, version) pairs with 0 < index < n, indices increasing."""
+    last = 0
+    for i, _ in changes:
+        if not last < i < n:
+            raise ValueError(f"{what}.version_changes {list(changes)} must have increasing "
+                             f"token indices in (0, {n})")
+        last = i
+
+
+def expand_versions(first: int, changes: Sequence[tuple[int, int]], n: int) -> list[int]:
+    """Per-token versions of n tokens: `first`, then each (index, version) change."""
+    out = [first] * n
+    for i, v in changes:
+        out[i:] = [v] * (n - i)
+    return out
+
+
+def shift_version_changes(changes: Sequence[tuple[int, int]], start: int, stop: int
+                          ) -> tuple[int | None, list[tuple[int, int]]]:
+    """The changes that fall in tokens [start, stop), re-based to `start`, and the version of
+    token `start` if a change at or before it set one (None: the first version holds)."""
+    first: int | None = None
+    out: list[tuple[int, int]] = []
+    for i, v in changes:
+        if i <= start:
+            first = v
+        elif i < stop:
+            out.append((i - start, v))
+    return first, out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,8 +207,11 @@ class CompletionDelta:
     """Per new token, the most likely (token id, logprob) pairs, if asked for."""
     finish_reason: FinishReason | None = None
     policy_version: int = 0
+    """Version of the weights that sampled this delta's first token."""
     stop_reason: str | int | None = None
     """On the last delta: the stop string or stop token id that ended the completion, if any."""
+    version_changes: tuple[tuple[int, int], ...] = ()
+    """As `Completion.version_changes`, with indices into this delta's tokens."""
 
 
 @dataclass(kw_only=True)
@@ -221,7 +283,30 @@ class Turn:
     reward: float = 0.0
     """The environment's reward for this step."""
     policy_version: int = 0
+    """Version of the weights that sampled the turn's first token."""
     finish_reason: FinishReason = "stop"
+    version_changes: list[tuple[int, int]] = field(default_factory=list)
+    """Partial rollout: (i, v) = tokens start+i, ... were sampled by version v (the weights
+    changed mid-turn); empty when `policy_version` sampled the whole turn."""
+
+    @property
+    def versions(self) -> list[int]:
+        """Every version that sampled a token of this turn, in order."""
+        return [self.policy_version, *(v for _, v in self.version_changes)]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if not self.version_changes:
+            del d["version_changes"]  # the common case stays as it was on disk
+        else:
+            d["version_changes"] = [list(c) for c in self.version_changes]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Turn:
+        d = dict(d)
+        d["version_changes"] = [(int(i), int(v)) for i, v in d.get("version_changes", ())]
+        return cls(**d)
 
 
 @dataclass(kw_only=True)
@@ -261,7 +346,16 @@ class Trajectory:
 
     @property
     def policy_versions(self) -> list[int]:
-        return [t.policy_version for t in self.turns]
+        """Every version that sampled a token, turn by turn (partial rollout: several a turn)."""
+        return [v for t in self.turns for v in t.versions]
+
+    def token_versions(self) -> list[int]:
+        """The version that sampled each token; -1 on observation tokens."""
+        out = [-1] * len(self.token_ids)
+        for t in self.turns:
+            out[t.start : t.end] = expand_versions(t.policy_version, t.version_changes,
+                                                   t.end - t.start)
+        return out
 
     @property
     def prompt_len(self) -> int:
@@ -287,6 +381,7 @@ class Trajectory:
                     f"[{t.start}, {t.end}) which is out of order or out of range (n={n})"
                 )
             expected[t.start : t.end] = [1] * (t.end - t.start)
+            check_version_changes(t.version_changes, t.end - t.start, f"turn {i}")
             prev_end = t.end
         if expected != list(self.loss_mask):
             raise ValueError(f"Trajectory {self.uid}: loss_mask does not match the turns")
@@ -302,7 +397,7 @@ class Trajectory:
             "token_ids": list(map(int, self.token_ids)),
             "loss_mask": list(map(int, self.loss_mask)),
             "logprobs": [float(x) for x in self.logprobs],
-            "turns": [asdict(t) for t in self.turns],
+            "turns": [t.to_dict() for t in self.turns],
             "terminated": bool(self.terminated),
             "truncated": bool(self.truncated),
             "images": [im.to_dict(image_dir) for im in self.images],
@@ -321,7 +416,7 @@ class Trajectory:
             token_ids=list(d["token_ids"]),
             loss_mask=list(d["loss_mask"]),
             logprobs=[float(x) for x in d["logprobs"]],
-            turns=[Turn(**t) for t in d["turns"]],
+            turns=[Turn.from_dict(t) for t in d["turns"]],
             terminated=bool(d.get("terminated", False)),
             truncated=bool(d.get("truncated", False)),
             images=[Image.from_dict(x, image_dir) for x in d.get("images", [])],
@@ -370,6 +465,7 @@ class TrajectoryBuilder:
         *,
         policy_version: int = 0,
         finish_reason: FinishReason = "stop",
+        version_changes: Sequence[tuple[int, int]] = (),
     ) -> Turn:
         tokens = [int(t) for t in tokens]
         lps = [0.0] * len(tokens) if logprobs is None else [float(x) for x in logprobs]
@@ -385,6 +481,7 @@ class TrajectoryBuilder:
             end=len(self.token_ids),
             policy_version=policy_version,
             finish_reason=finish_reason,
+            version_changes=[(int(i), int(v)) for i, v in version_changes],
         )
         self.turns.append(turn)
         self._obs_start = len(self.token_ids)
@@ -398,7 +495,7 @@ class TrajectoryBuilder:
             token_ids=list(self.token_ids),
             loss_mask=list(self.loss_mask),
             logprobs=list(self.logprobs),
-            turns=[Turn(**asdict(t)) for t in self.turns],
+            turns=[Turn.from_dict(asdict(t)) for t in self.turns],
             terminated=terminated,
             truncated=truncated,
             images=list(self.images),

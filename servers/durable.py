@@ -221,7 +221,8 @@ def _encode(kind: str, payload: Any) -> Any:
         "prompt_ids": call.prompt_ids,
         "choices": [{"token_ids": c.token_ids, "logprobs": c.logprobs,
                      "finish_reason": c.finish_reason, "policy_version": c.policy_version,
-                     "stop_reason": c.stop_reason, "top_logprobs": c.top_logprobs}
+                     "stop_reason": c.stop_reason, "top_logprobs": c.top_logprobs,
+                     "version_changes": [list(x) for x in c.version_changes]}
                     for c in call.choices],
         "images": [im.to_dict() for im in call.images],
         "aborted": call.aborted,
@@ -237,6 +238,7 @@ def _decode_call(d: dict) -> CallRecord:
         Completion(token_ids=c["token_ids"], logprobs=c["logprobs"],
                    finish_reason=c["finish_reason"], policy_version=c["policy_version"],
                    stop_reason=c["stop_reason"],
+                   version_changes=[(int(i), int(v)) for i, v in c.get("version_changes", ())],
                    top_logprobs=None if c["top_logprobs"] is None else
                    [[(int(t), float(lp)) for t, lp in pos] for pos in c["top_logprobs"]])
         for c in d["choices"]

@@ -268,16 +268,6 @@ async def engine_generate(
     return completions
 
 
-@dataclass
-class _Delta:
-    index: int
-    token_ids: list[int]
-    logprobs: list[float] | None
-    top_logprobs: list[list[tuple[int, float]]] | None
-    finish_reason: str | None
-    policy_version: int = 0
-
-
 async def engine_stream(
     state: ProxyState, prompt_ids: list[int], params: SamplingParams, images: list[Image]
 ) -> AsyncIterator[TokenDelta]:
@@ -297,15 +287,7 @@ async def engine_stream(
         for i, c in enumerate(completions):
             if j >= len(c.token_ids) and not (j == 0 and not c.token_ids):
                 continue
-            last = j >= len(c.token_ids) - 1
-            yield _Delta(
-                index=i,
-                token_ids=c.token_ids[j : j + 1],
-                logprobs=c.logprobs[j : j + 1] if c.logprobs is not None else None,
-                top_logprobs=c.top_logprobs[j : j + 1] if c.top_logprobs else None,
-                finish_reason=c.finish_reason if last else None,
-                policy_version=c.policy_version,
-            )
+            yield c.delta(i, j, j + 1, last=j >= len(c.token_ids) - 1)
 
 
 @dataclass
@@ -316,12 +298,21 @@ class Accumulator:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     policy_version: int = 0
+    version_changes: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, d: TokenDelta) -> None:
+        at = len(self.token_ids)
+        for i, v in [(0, d.policy_version), *getattr(d, "version_changes", ())]:
+            if i >= len(d.token_ids):
+                continue  # no token of this delta was sampled by it (an empty last delta)
+            current = self.version_changes[-1][1] if self.version_changes else self.policy_version
+            if at + i == 0:
+                self.policy_version = v  # the first token's version
+            elif v != current:
+                self.version_changes.append((at + i, v))
         self.token_ids.extend(d.token_ids)
         lps = d.logprobs if d.logprobs is not None else [0.0] * len(d.token_ids)
         self.logprobs.extend(float(x) for x in lps)
-        self.policy_version = d.policy_version
         if d.finish_reason is not None:
             self.finish_reason = d.finish_reason
 
@@ -333,6 +324,7 @@ class Accumulator:
             logprobs=self.logprobs,
             finish_reason=reason,
             policy_version=self.policy_version,
+            version_changes=list(self.version_changes),
         )
 
 

@@ -277,6 +277,7 @@ class Session:
                     comp.logprobs,
                     policy_version=comp.policy_version,
                     finish_reason=comp.finish_reason,
+                    version_changes=comp.version_changes,
                 )
                 b.calls.append((call.call_id, i))
                 if i == 0 and best is not None:

@@ -169,9 +169,7 @@ class EngineRouter:
                 return
             # An engine that does not stream: each choice whole, as one delta.
             for k, c in enumerate(await engine.generate(prompt_ids, params, images)):
-                yield CompletionDelta(index=k, token_ids=c.token_ids, logprobs=c.logprobs,
-                                      top_logprobs=c.top_logprobs, finish_reason=c.finish_reason,
-                                      policy_version=c.policy_version, stop_reason=c.stop_reason)
+                yield c.delta(k)
         finally:
             self.outstanding[i] -= cost
 

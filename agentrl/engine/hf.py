@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Self, cast
+from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
 
 import numpy as np
 import torch
@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DecodeStep = Callable[..., "torch.Tensor | None"]
+T = TypeVar("T")
 """`(model, ids_B, pos_B, cache, mask_B_T, *, counters) -> next-token logits [B, V] | None`."""
 
 _MIN_SHARED_TOKENS_SAVED = 128
@@ -207,7 +208,7 @@ class TransformersEngine:
         req = self._submit(prompt_ids, params, images, request_id, stream=True)
         if req is None:
             for i in range(params.n):
-                yield _delta(_empty_completion(params, self._version), i, 0)
+                yield _empty_completion(params, self._version).delta(i)
             return
         assert req.stream is not None
         sent, finished = [0] * params.n, [False] * params.n
@@ -222,7 +223,7 @@ class TransformersEngine:
             # Samples that ended without a sampled token (abort, close, sleep) end here.
             for i, c in enumerate(await req.future):
                 if not finished[i]:
-                    yield _delta(c, i, sent[i])
+                    yield c.delta(i, sent[i])
         finally:
             if not completed:
                 self.abort(req.id)
@@ -291,8 +292,11 @@ class TransformersEngine:
         """Load parameters by name (state dict or iterator of pairs) and switch to `version`.
 
         Tensors that already are the model's own storage (colocated trainer) are not copied.
-        Runs between two decode steps; running samples continue with the new weights and keep
-        the version they started with. Cached prefixes (old weights' KV) are dropped.
+        Runs between two decode steps, without waiting for running samples (partial rollout):
+        their prompts and tokens so far are encoded again by the new weights (one prefill
+        pass), so every token they sample from then on is exactly the new version's, with its
+        log-prob, and is recorded as such (`Completion.version_changes`). Cached prefixes
+        (old weights' KV) are dropped.
         """
         targets = self.model.state_dict(keep_vars=True)
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
@@ -318,8 +322,11 @@ class TransformersEngine:
                     continue
                 target.data.copy_(tensor)
                 copied += 1
+            changed = int(version) != self._version
             self._version = int(version)
             self.prefix_cache.clear()
+            if changed and any(not r.done for r in self._rows):
+                self._reencode_running()
         logger.debug("update_weights: version %d, %d tensors copied", version, copied)
 
     @property
@@ -456,12 +463,7 @@ class TransformersEngine:
             first.setdefault(key, req)
         prompts = sorted(by_prompt, key=len)
         self._prefill_shared_prefix(prompts)
-        chunks: list[list[tuple[int, ...]]] = [[]]
-        for p in prompts:  # bound the padded tokens of one forward pass
-            if chunks[-1] and (len(chunks[-1]) + 1) * len(p) > self.max_prefill_tokens:
-                chunks.append([])
-            chunks[-1].append(p)
-        for chunk in chunks:
+        for chunk in _chunks(prompts, len, self.max_prefill_tokens):
             cache, logits = self._prefill_chunk([first[p] for p in chunk])
             index = [u for u, p in enumerate(chunk) for _ in by_prompt[p]]
             samples = [s for p in chunk for s in by_prompt[p]]
@@ -472,6 +474,27 @@ class TransformersEngine:
                 expanded if self._batch is None else BatchCache.concat([self._batch, expanded])
             )
             self._rows = self._rows + samples
+
+    def _reencode_running(self) -> None:
+        """The running samples' KV cache, computed again by the weights just loaded (caller
+        holds the step lock): each continues as if its prompt and tokens so far had been
+        prefilled by the new version, which samples (and scores) all its next tokens."""
+        live = sorted((r for r in self._rows if not r.done), key=lambda r: r.length)
+        self._batch, self._rows = None, []
+        with torch.no_grad():
+            for chunk in _chunks(live, lambda r: r.length, self.max_prefill_tokens):
+                fed = [r.tokens[: r.length - len(r.request.prompt)] for r in chunk]
+                cache, _ = self._prefill_ids(
+                    [r.request.prompt + f for r, f in zip(chunk, fed, strict=True)],
+                    [list(r.request.key) + f for r, f in zip(chunk, fed, strict=True)],
+                    [r.request.vision for r in chunk],
+                )
+                self._batch = cache if self._batch is None else BatchCache.concat(
+                    [self._batch, cache])
+                self._rows = self._rows + chunk
+        for r in live:
+            r.switch_version(self._version)
+        self.counters["reencoded_samples"] += len(live)
 
     def _prefill_shared_prefix(self, prompts: list[tuple[int, ...]]) -> None:
         """Encode a long common start of an admission's prompts (a system prompt, a task
@@ -521,8 +544,8 @@ class TransformersEngine:
             ids[u, width - len(suffix) :] = torch.tensor(suffix)
             if mrope:
                 pos[:, u, width - len(suffix) :] = (
-                    v.positions[:, c:] if v is not None and v.positions is not None
-                    else torch.arange(c, len(p))
+                    _mrope_positions(v, len(p))[:, c:]
+                    if v is not None and v.positions is not None else torch.arange(c, len(p))
                 )
             else:
                 pos[u, width - len(suffix) :] = torch.arange(c, len(p))
@@ -735,25 +758,34 @@ class TransformersEngine:
         self._batch, self._rows = None, []
 
 
+def _chunks(items: list[T], length: Callable[[T], int], max_tokens: int) -> list[list[T]]:
+    """`items` (sorted by length: shortest first) in runs whose padded size, rows x longest,
+    stays within `max_tokens` (a run holds at least one)."""
+    out: list[list[T]] = [[]]
+    for x in items:
+        if out[-1] and (len(out[-1]) + 1) * length(x) > max_tokens:
+            out.append([])
+        out[-1].append(x)
+    return out
+
+
+def _mrope_positions(v: VisionPrompt, length: int) -> torch.Tensor:
+    """mRoPE positions [3, length] of a prompt and the tokens sampled after it (text after the
+    prompt: the next position on all three axes, shifted by the vision offset)."""
+    assert v.positions is not None
+    have = v.positions.shape[1]
+    if length <= have:
+        return v.positions
+    more = torch.arange(have, length) + v.position_offset
+    return torch.cat([v.positions, more.expand(3, -1).to(v.positions)], dim=1)
+
+
 def _empty_completion(params: SamplingParams, version: int) -> Completion:
     return Completion(
         token_ids=[],
         logprobs=[] if params.logprobs else None,
         finish_reason="length",
         policy_version=version,
-    )
-
-
-def _delta(c: Completion, index: int, start: int) -> CompletionDelta:
-    """The last delta of a completion: its tokens from `start` on, and why it ended."""
-    return CompletionDelta(
-        index=index,
-        token_ids=c.token_ids[start:],
-        logprobs=c.logprobs[start:] if c.logprobs is not None else None,
-        top_logprobs=c.top_logprobs[start:] if c.top_logprobs is not None else None,
-        finish_reason=c.finish_reason,
-        policy_version=c.policy_version,
-        stop_reason=c.stop_reason,
     )
 
 

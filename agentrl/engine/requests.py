@@ -9,7 +9,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from agentrl.engine.base import PromptTooLongError
-from agentrl.types import Completion, CompletionDelta, FinishReason, SamplingParams
+from agentrl.types import (
+    Completion,
+    CompletionDelta,
+    FinishReason,
+    SamplingParams,
+    shift_version_changes,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -79,18 +85,37 @@ class Sample:
     stop_reason: str | int | None = None
     matcher: Any = None
     """Where this sample is in its request's grammar (an xgrammar GrammarMatcher), if any."""
+    version_changes: list[tuple[int, int]] = field(default_factory=list)
+    """(token index, version): the weights changed to that version mid-sample (partial
+    rollout), so the tokens from that index on were sampled by it."""
+
+    def switch_version(self, version: int) -> None:
+        """The engine now samples with `version`: the next token is the new version's."""
+        current = self.version_changes[-1][1] if self.version_changes else self.version
+        if version == current:
+            return
+        if not self.tokens:
+            self.version = version
+            return
+        if self.version_changes and self.version_changes[-1][0] == len(self.tokens):
+            self.version_changes[-1] = (len(self.tokens), version)
+        else:
+            self.version_changes.append((len(self.tokens), version))
 
     def delta(self, start: int) -> CompletionDelta:
         """The tokens from position `start` on, with the finish reason if the sample is done."""
         params = self.request.params
+        begin = start if start >= 0 else max(0, len(self.tokens) + start)
+        first, changes = shift_version_changes(self.version_changes, begin, len(self.tokens))
         return CompletionDelta(
             index=self.index,
-            token_ids=self.tokens[start:],
-            logprobs=self.logprobs[start:] if params.logprobs else None,
-            top_logprobs=[list(t) for t in self.top[start:]] if params.top_logprobs else None,
+            token_ids=self.tokens[begin:],
+            logprobs=self.logprobs[begin:] if params.logprobs else None,
+            top_logprobs=[list(t) for t in self.top[begin:]] if params.top_logprobs else None,
             finish_reason=self.finish,
-            policy_version=self.version,
+            policy_version=self.version if first is None else first,
             stop_reason=self.stop_reason,
+            version_changes=tuple(changes),
         )
 
     @property
@@ -106,6 +131,8 @@ class Sample:
             policy_version=self.version,
             stop_reason=self.stop_reason,
             top_logprobs=[list(t) for t in self.top] if params.top_logprobs else None,
+            # A change after the last token (the sample ended right at the update) changed none.
+            version_changes=[c for c in self.version_changes if c[0] < len(self.tokens)],
         )
 
 

@@ -198,6 +198,7 @@ async def _episode(
                 c.logprobs,
                 policy_version=c.policy_version,
                 finish_reason=c.finish_reason,
+                version_changes=c.version_changes,
             )
             context.extend(c.token_ids)
             turn += 1

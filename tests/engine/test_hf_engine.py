@@ -443,3 +443,62 @@ async def test_a_grammar_that_does_not_compile_is_refused_before_queueing(engine
     with pytest.raises(GrammarError, match='Unsupported type "strang"'):
         json_schema_grammar({"type": "strang"})
     assert engine.num_waiting == 0 and engine.num_running == 0
+
+
+async def test_weight_update_mid_request_is_partial_rollout(tiny_tokenizer, prompts):
+    """#16 item 5: an update does not wait for running requests: they go on with the new
+    weights. Each token keeps the version that sampled it and that version's log-prob (the
+    tokens before the switch score as the old model, those after as the new one), through
+    `generate` and the streamed deltas alike; a trajectory of such a turn carries both versions,
+    and the off-policy weights of the loss come from those per-token behaviour log-probs."""
+    from agentrl.algorithms import mismatch_weights
+    from agentrl.types import Trajectory, TrajectoryBuilder
+    from servers.generation import Accumulator
+    from trainers.batch import collate
+
+    old, new = sharp_tiny_model(tiny_tokenizer, seed=1), sharp_tiny_model(tiny_tokenizer, seed=2)
+    # No EOS, so both requests run past the update; raw logprobs: the models' own.
+    params = SamplingParams(temperature=1.0, max_tokens=160, seed=3, raw_logprobs=True,
+                            logit_bias=((tiny_tokenizer.eos_token_id, -100.0),))
+    with TransformersEngine(sharp_tiny_model(tiny_tokenizer, seed=1), tiny_tokenizer) as engine:
+        whole = asyncio.ensure_future(engine.generate(prompts[0], dataclasses.replace(params, n=2)))
+        streamed, acc = 0, Accumulator()
+        async for d in engine.generate_stream(prompts[1], params):
+            acc.add(d)
+            streamed += len(d.token_ids)
+            if streamed >= 4 and engine.version == 0:
+                engine.update_weights(new.state_dict(), version=1)  # between two decode steps
+        results = [(prompts[0], c) for c in await whole] + [(prompts[1], acc.completion())]
+        assert engine.counters["reencoded_samples"] == 3
+    for prompt, c in results:
+        [(switch, version)] = c.version_changes
+        assert version == 1 and c.policy_version == 0 and 4 <= switch < len(c.token_ids) == 160
+        assert c.token_versions() == [0] * switch + [1] * (160 - switch)
+        as_old = recompute_logprobs(old, prompt, c.token_ids)
+        as_new = recompute_logprobs(new, prompt, c.token_ids)
+        lp = torch.tensor(c.logprobs)
+        torch.testing.assert_close(lp[:switch], as_old[:switch], atol=1e-4, rtol=0)
+        torch.testing.assert_close(lp[switch:], as_new[switch:], atol=1e-4, rtol=0)
+        assert (lp[:switch] - as_new[:switch]).abs().max() > 0.1  # the versions differ
+
+    prompt, c = results[0]
+    builder = TrajectoryBuilder(group="g")
+    builder.add_observation(prompt)
+    builder.add_action(c.token_ids, c.logprobs, policy_version=c.policy_version,
+                       version_changes=c.version_changes)
+    traj = Trajectory.from_json(builder.build(terminated=True, truncated=False).to_json())
+    switch = c.version_changes[0][0]
+    assert traj.policy_versions == [0, 1]
+    assert traj.token_versions() == [-1] * len(prompt) + c.token_versions()
+    # The trainer holds version 1 (its "old" log-probs are the new model's): tokens that
+    # version sampled need no correction, those of version 0 are reweighted by new/old.
+    batch = collate([traj], pad_id=0)
+    trainer_logp = torch.zeros_like(batch.rollout_logp)
+    start = len(prompt) - 1
+    trainer_logp[0, start:] = recompute_logprobs(new, prompt, c.token_ids)
+    weights = mismatch_weights("tis", old_logp_BT=trainer_logp, rollout_logp_BT=batch.rollout_logp,
+                               mask_BT=batch.mask)[0, start:]
+    ratio = torch.exp(recompute_logprobs(new, prompt, c.token_ids)
+                      - recompute_logprobs(old, prompt, c.token_ids))[:switch]
+    torch.testing.assert_close(weights[switch:], torch.ones(160 - switch), atol=1e-3, rtol=0)
+    torch.testing.assert_close(weights[:switch], ratio.clamp(0.5, 5.0), atol=1e-3, rtol=1e-3)

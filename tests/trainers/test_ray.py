@@ -39,6 +39,15 @@ def test_placed_async_mode_syncs_weights_to_a_separate_actor(ray_cluster, make_c
     # policy version, never more than async_depth behind.
     lags = [r["policy_lag"] for r in rows if "policy_lag" in r]
     assert lags[0] == 0 and max(lags) <= 1 and max(lags) == 1
+    # Partial rollout: a batch still being sampled when an update lands goes on with the new
+    # weights, so a turn may hold two versions; never one older than the lag allows.
+    from agentrl.types import load_jsonl
+
+    for k in range(1, 5):
+        for t in load_jsonl(Path(cfg.run_dir) / "rollouts" / f"step_{k:06d}.jsonl"):
+            for turn in t.turns:
+                assert turn.versions == sorted(set(turn.versions))
+                assert max(0, k - 2) <= min(turn.versions) <= max(turn.versions) <= k - 1
     # The rollout actor holds the weights of the last update.
     assert trainer.rollout.call("version") == 4
     policy_w = trainer.policy.call("named_weights")
