@@ -17,14 +17,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import FastAPI
 
+from agentrl.envs.reward import RewardServiceError
 from agentrl.types import Trajectory, group_name
 from servers.serving import serve_in_thread
 
@@ -36,6 +38,24 @@ AgentFn = Callable[[TaskT, str, str], object | Awaitable[object]]
 """(task, base_url, api_key) -> result; sync (run in a thread) or async."""
 RewardFn = Callable[[TaskT, object], float | Awaitable[float]]
 """(task, agent result) -> reward for the episode."""
+
+
+def remote_agent_reward(url: str, **options: Any) -> RewardFn:
+    """Score agent episodes with a reward service (`agentrl reward-serve`, `--reward.url`): each
+    is one item {"prompt": task, "response": the agent's result (JSON unless a string),
+    "label": task["label"] if the task has one}, batched with concurrent episodes. A failure
+    raises `RewardServiceError`, which `run_agents` turns into a discarded, counted episode.
+    `options`: `RemoteReward`'s (timeout_s, retries, max_batch)."""
+    from agentrl.envs.reward import RemoteReward
+
+    service = RemoteReward(url, **options)
+
+    def score(task: Any, result: object) -> float:
+        label = task.get("label") if isinstance(task, dict) else None
+        response = result if isinstance(result, str) else json.dumps(result, default=str)
+        return float(service(task, response, label)["reward"])
+
+    return score
 
 
 async def _maybe_await(value: T | Awaitable[T]) -> T:
@@ -74,7 +94,9 @@ async def run_agents(
     loopback port for the duration. The runs of task i are one group, named when its
     sessions are created: `group_name(group_prefix, i)` (as env rollouts name prompt i's), or
     group_fn(i, task), so they share a GRPO/RLOO baseline. An agent that raises is logged and
-    its episode dropped (or re-raised with raise_on_error=True). Trajectories come back in
+    its episode dropped (or re-raised with raise_on_error=True); a reward service that cannot
+    score an episode (`RewardServiceError`, e.g. `remote_agent_reward`'s) leaves its
+    trajectories marked `discard`, with the error in `info["error"]`. Trajectories come back in
     (task, sample) order; a session with drift yields several (one per segment).
     """
     if concurrency < 1:
@@ -102,12 +124,18 @@ async def run_agents(
                         result = await _maybe_await(
                             await asyncio.to_thread(agent_fn, task, session_url, api_key)
                         )
+                    unscored = None
                     if reward_fn is not None and (await http.get(f"/sessions/{sid}")).json()[
                         "num_calls"
                     ]:
-                        reward = float(await _maybe_await(reward_fn(task, result)))
-                        r = await http.post(f"/sessions/{sid}/reward", json={"reward": reward})
-                        r.raise_for_status()
+                        try:
+                            reward = float(await _maybe_await(reward_fn(task, result)))
+                        except RewardServiceError as e:
+                            unscored = str(e)  # the service failed, not the agent: keep it
+                        else:
+                            r = await http.post(f"/sessions/{sid}/reward",
+                                                json={"reward": reward})
+                            r.raise_for_status()
                 except Exception:
                     if raise_on_error:
                         raise
@@ -117,7 +145,11 @@ async def run_agents(
                 await http.post(f"/sessions/{sid}/close")
                 body = (await http.get(f"/sessions/{sid}")).json()
                 await http.delete(f"/sessions/{sid}")
-                return [Trajectory.from_dict(t) for t in body["trajectories"]]
+                trajs = [Trajectory.from_dict(t) for t in body["trajectories"]]
+                if unscored is not None:  # kept and counted as discarded, never trained on
+                    for t in trajs:
+                        t.discard, t.info["error"] = True, unscored
+                return trajs
 
         results = await asyncio.gather(
             *(episode(i, j, t) for i, t in enumerate(tasks) for j in range(n_samples_per_task))

@@ -362,7 +362,9 @@ class TrainConfig:
     agent_tasks: str | None = None
     """JSON-lines file of tasks (one JSON value per line) for --agent."""
     agent_reward: str | None = None
-    """"module:function" scoring reward(task, agent_result) -> float, for --agent."""
+    """"module:function" scoring reward(task, agent_result) -> float, for --agent (or
+    --reward.url: a reward service scores {"prompt": task, "response": result, "label":
+    task["label"]})."""
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     reward_fn: str | None = None
@@ -505,15 +507,23 @@ class TrainConfig:
         if self.actor.lora_rank and self.num_policy_workers > 1:
             raise ValueError("--actor.lora_rank trains on one policy worker for now; drop "
                              "--num_policy_workers (LoRA rarely needs sharding)")
-        if self.agent and not (self.agent_tasks and self.agent_reward):
-            raise ValueError("--agent needs --agent_tasks FILE.jsonl and --agent_reward module:fn")
+        if self.agent and not (self.agent_tasks and (self.agent_reward or self.reward.url)):
+            raise ValueError("--agent needs --agent_tasks FILE.jsonl and --agent_reward module:fn "
+                             "(or --reward.url, a reward service: `agentrl reward-serve`)")
+        if self.agent and self.agent_reward and self.reward.url:
+            raise ValueError("--agent: pass --agent_reward (a function) or --reward.url (a reward "
+                             "service), not both")
+        if self.agent and self.reward.model:
+            raise ValueError("--reward.model scores single-turn --dataset runs; an --agent is "
+                             "scored by --agent_reward or --reward.url")
         self._check_dataset()
 
     def _check_dataset(self) -> None:
         """--dataset and --reward_fn go together, with the single-turn env; the file, its
         prompt column and the reward function are checked here, before any model loads."""
         single = self.env in SINGLE_TURN_ENVS
-        scorer = self.reward.url or self.reward.model
+        # An --agent's --reward.url scores its sessions (checked in __post_init__).
+        scorer = None if self.agent else self.reward.url or self.reward.model
         if not (single or self.dataset.path or self.reward_fn or scorer):
             return
         if self.reward_fn and scorer:

@@ -144,3 +144,48 @@ def test_reward_serve_cli_refuses_a_bad_function(tmp_path, capsys):
 def test_a_url_httpx_cannot_even_parse_is_an_error_not_a_hang():
     with pytest.raises(RewardServiceError, match="reward service"):
         RemoteReward("http://[::1/score", retries=0, timeout_s=1)("q", "r", None)
+
+
+def test_agent_sessions_scored_by_the_service(service, tok):
+    """#16 item 6 from the proxy side: each agent session is one item of the reward service
+    (the task as prompt, its label; the agent's answer as response), batched with the others;
+    one the service cannot score keeps its trajectory, discarded and saying why."""
+    import asyncio
+
+    from servers.agents import remote_agent_reward, run_agents
+    from servers.app import create_app
+    from servers.testing import FakeEngine
+
+    async def agent(task, base_url, api_key):
+        import openai
+
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        r = await client.chat.completions.create(
+            model="agentrl", messages=[{"role": "user", "content": task["prompt"]}])
+        await client.close()
+        return r.choices[0].message.content
+
+    tasks = [{"prompt": "p", "label": "42"}, {"prompt": "p", "label": "7"},
+             {"prompt": "p", "label": "boom"}]
+    scorer = remote_agent_reward(service, retries=0)
+    trajs = asyncio.run(run_agents(agent, tasks, app=create_app(FakeEngine(tok), tok),
+                                   reward_fn=scorer))
+    assert [t.info["task_index"] for t in trajs] == [0, 1, 2]
+    assert [t.total_reward for t in trajs[:2]] == [1.0, 0.0]  # FakeEngine answers "... 42"
+    assert [t.discard for t in trajs] == [False, False, True]
+    assert "cannot score this one" in trajs[2].info["error"] and trajs[2].token_ids
+
+
+def test_an_agent_run_takes_a_reward_service_instead_of_a_function(tmp_path):
+    from trainers.cli import build_config
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"prompt": "x", "label": "1"}\n')
+    cfg = build_config(["--agent", "examples.proxy_openai_agents:agent", "--agent_tasks",
+                        str(tasks), "--reward.url", "http://127.0.0.1:9/score"])
+    assert cfg.reward.url and cfg.agent_reward is None
+    with pytest.raises(ValueError, match="--agent_reward module:fn \\(or --reward.url"):
+        build_config(["--agent", "m:f", "--agent_tasks", str(tasks)])
+    with pytest.raises(ValueError, match="not both"):
+        build_config(["--agent", "m:f", "--agent_tasks", str(tasks), "--agent_reward", "m:g",
+                      "--reward.url", "http://127.0.0.1:9/score"])
