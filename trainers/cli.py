@@ -1,12 +1,15 @@
 """`agentrl train`: one RL run from a preset, an optional JSON config, and flags.
 
     agentrl train --env math-tir
+    agentrl train --preset math-tir-easy
     agentrl train --env digits --algo.estimator rloo --actor.lr 1e-3 --steps 50
     agentrl train --config runs/x/config.json --resume auto
     agentrl train --dataset data.jsonl --reward_fn rewards.py:score
 
-Order of precedence: flags > --config file > the env's preset > defaults. Every check runs
-before a model is loaded; the resolved config is saved as run_dir/config.json.
+Order of precedence: flags > --config file > the preset (--preset NAME, else the env's own)
+> defaults. Presets: math-tir (easy+medium, evaluated on medium), math-tir-easy, screen-click,
+digits. Every check runs before a model is loaded; the resolved config is saved as
+run_dir/config.json.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import sys
 from pathlib import Path
 
 from trainers.config import TrainConfig, config_from_dict
-from trainers.presets import preset_for
+from trainers.presets import PRESETS, preset_for
 
 
 def build_config(argv: list[str]) -> TrainConfig:
@@ -25,7 +28,11 @@ def build_config(argv: list[str]) -> TrainConfig:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--env", default=None)
     pre.add_argument("--config", default=None)
+    pre.add_argument("--preset", default=None)
     known, _ = pre.parse_known_args(argv)
+    if known.preset is not None and known.preset not in PRESETS:
+        raise ValueError(f"--preset {known.preset!r} is not a preset; choose one of "
+                         f"{', '.join(sorted(PRESETS))}")
     file_cfg: dict = {}
     if known.config:
         path = Path(known.config)
@@ -34,14 +41,15 @@ def build_config(argv: list[str]) -> TrainConfig:
         file_cfg = json.loads(path.read_text())
     dataset = any(a == "--dataset.path" or a.startswith("--dataset.path=") for a in argv)
     env = known.env or file_cfg.get("env") or ("single-turn" if dataset else TrainConfig().env)
-    rest = bool_values(_drop_flag(argv, "--config"))
+    rest = bool_values(_drop_flag(_drop_flag(argv, "--config"), "--preset"))
 
     import tyro
 
     from trainers.config import deferred_validation, validate
 
     with deferred_validation():  # checked once, with the flags applied
-        base = config_from_dict(file_cfg, preset_for(env))
+        preset = PRESETS[known.preset]() if known.preset else preset_for(env)
+        base = config_from_dict(file_cfg, preset)
         cfg = tyro.cli(
             TrainConfig,
             default=base,

@@ -5,7 +5,11 @@ Colocated mode: one `PolicyWorker` that also samples (its engine shares the trai
 Placed mode: a `PolicyWorker` without an engine plus a `RolloutWorker` that receives the new
 weights after every update, in buckets (or, vLLM on GPUs, by NCCL broadcast from the trainer's
 rank 0: trainers/weight_sync.py); with `async_depth = K > 0` up to K rollout batches are
-sampled ahead of training, each turn recording the policy version it was sampled with.
+sampled ahead of training. An update does not wait for the batch being sampled (partial
+rollout): the transformers engine loads the new weights between two decode steps and its
+running requests go on with them, each token recording the version that sampled it
+(`Turn.version_changes`) and its log-prob under that version (the behaviour log-prob the
+off-policy corrections use, `--algo.mismatch_correction`).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from trainers.checkpoint import (
 )
 from trainers.config import TrainConfig
 from trainers.metrics import MetricsLogger
-from trainers.ray_utils import actor_options
+from trainers.ray_utils import actor_options, free_tcp_address
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +127,7 @@ class Trainer:
         self.kl_coef = cfg.algo.kl_coef
         self.bad_steps = 0
         self.queue: deque[tuple[int, Any]] = deque()
+        self._eval_rates: dict[str, dict[int, float]] = {}  # eval name -> problem -> pass@1
         self._replay = iter_jsonl(cfg.replay) if cfg.replay else None
         self.policy: _Handle | _Group | None = None
         self.rollout: _Handle | None = None
@@ -171,7 +176,7 @@ class Trainer:
             rollout = placed and cfg.replay is None
             policy_opts, rollout_opts = actor_options(cfg, rollout=rollout)
             if cfg.backend in DISTRIBUTED:
-                addr = _free_tcp_address()
+                addr = free_tcp_address()
                 ranks = [
                     ray.remote(PolicyWorker)
                     .options(**opts)
@@ -199,8 +204,12 @@ class Trainer:
                 # between its engine and theirs.
                 extra = [ray.remote(EngineWorker).options(**opts).remote(cfg)
                          for opts in rollout_opts[1:]]
-                worker = ray.remote(RolloutWorker).options(**rollout_opts[0]).remote(
-                    cfg, engine_weight_transfer(self.weight_sync), extra, rollout_opts[1:])
+                # Two threads: a weight update (or broadcast step) runs while an async batch is
+                # still being collected, and its requests continue on the new weights (partial
+                # rollout) instead of the update waiting for the longest of them.
+                worker = ray.remote(RolloutWorker).options(
+                    **rollout_opts[0], max_concurrency=2,
+                ).remote(cfg, engine_weight_transfer(self.weight_sync), extra, rollout_opts[1:])
                 self.engine_actors = extra
                 self.rollout = _Handle(worker, True)
         else:
@@ -281,6 +290,8 @@ class Trainer:
             if cfg.eval_problems:
                 summary["eval_after"] = self._evaluate(log, "eval_after")
                 self._keep_if_best(summary["eval_after"], path)
+                if "eval_before" in self._eval_rates:
+                    summary["eval_change"] = self._eval_change()
             best = best_checkpoint(self.run_dir) if cfg.keep_best else None
             if best is not None:
                 summary["best"] = best[1]
@@ -500,8 +511,19 @@ class Trainer:
         out = (self.run_dir / "evals" / f"step_{self.step:06d}.jsonl" if name == "eval"
                else self.run_dir / f"{name}.jsonl")
         save_jsonl(result.pop("trajectories"), out)
+        self._eval_rates[name] = {int(i): float(r) for i, r in result.pop("rates").items()}
         log.log(self.step, {f"{name}/{k}": v for k, v in result.items()})
         return result
+
+    def _eval_change(self) -> dict[str, Any]:
+        """pass@1 after minus before, on the problems both scored, with its 95% interval."""
+        from agentrl.rollout.evaluate import paired_change
+        from trainers.sampling import eval_setting
+
+        change, half, n = paired_change(self._eval_rates["eval_before"],
+                                        self._eval_rates["eval_after"])
+        return {"pass@1": change, "ci95": half, "num_problems": n,
+                "setting": eval_setting(self.cfg)}
 
     def _keep_if_best(self, result: dict[str, Any], path: Path | None = None) -> None:
         """With --keep_best: checkpoint this step (unless `path` already is it) and name it
@@ -589,14 +611,6 @@ def _commonest_error(trajs: list[Trajectory]) -> str:
         return ""
     error, k = errors.most_common(1)[0]
     return f", most often with: {error[:500]} ({k} episode{'s' if k > 1 else ''})"
-
-
-def _free_tcp_address() -> str:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
 
 
 class _Ready:

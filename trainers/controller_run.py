@@ -41,7 +41,26 @@ def run(cfg: TrainConfig) -> int:
             undo()
         shutdown_ray()
     print(json.dumps(summary, indent=2))
+    if "eval_change" in summary:
+        print(eval_report(summary))
     return 0
+
+
+def eval_report(summary: dict[str, Any]) -> str:
+    """One line a reader can judge: what was evaluated, pass@1 before and after with 95%
+    intervals, and the change on the same problems with its own interval."""
+    before, after, change = summary["eval_before"], summary["eval_after"], summary["eval_change"]
+    setting = dict(change["setting"])
+    what = ", ".join(f"{k} {v}" for k, v in setting.items()
+                     if k not in ("env", "problems", "samples_per_problem", "temperature"))
+    return (
+        f"held-out pass@1 on {setting['env']} ({what + '; ' if what else ''}"
+        f"{after['num_problems']} problems x "
+        f"{setting['samples_per_problem']} samples = {after['num_samples']}, T="
+        f"{setting['temperature']}): before {before['pass@1']:.3f} +- "
+        f"{before['pass@1_ci95']:.3f}, after {after['pass@1']:.3f} +- {after['pass@1_ci95']:.3f}"
+        f", change {change['pass@1']:+.3f} +- {change['ci95']:.3f} (95% intervals)"
+    )
 
 
 def _stop_on_sigterm(trainer: Any) -> Callable[[], None]:

@@ -180,3 +180,12 @@ def _placed_on_gpus(n_policy: int, n_engines: int = 1, tp: int = 1,
     ranks = [ray_options(plan, groups[a.node], a) for a in plan.actors if a.role == "train"]
     engines = [plan.actor("engine", i) for i in range(n_engines)]
     return ranks, [ray_options(plan, groups[e.node], e) for e in engines]
+
+
+def free_tcp_address() -> str:
+    """A rendezvous address for a process group of ranks on this machine (tcp://host:port)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"

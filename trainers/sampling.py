@@ -38,13 +38,11 @@ def make_engine(
     )
 
 
-def env_factory(cfg: TrainConfig, tokenizer: Any, *, eval_split: bool = False) -> Callable[[], Any]:
-    import gymnasium as gym
-
+def env_kwargs(cfg: TrainConfig, *, eval_split: bool = False) -> dict[str, Any]:
+    """The keyword arguments the run's env (its training or held-out split) is made with."""
     from agentrl.envs import resolve_env_id
     from agentrl.envs.registry import env_takes
 
-    env_id = resolve_env_id(cfg.env)
     kwargs: dict[str, Any] = dict(cfg.env_kwargs)
     if cfg.dataset.path:
         kwargs.update(cfg.single_turn_kwargs(eval_split=eval_split))
@@ -52,9 +50,31 @@ def env_factory(cfg: TrainConfig, tokenizer: Any, *, eval_split: bool = False) -
         kwargs.update(cfg.eval_env_kwargs)
     # The rollout loop enforces the run's turn and token budgets. An env whose own task rule
     # depends on its turn limit (math-tir: the last turn must answer) is told the turn budget.
-    if cfg.rollout.max_turns is not None and env_takes(env_id, "max_turns"):
+    if cfg.rollout.max_turns is not None and env_takes(resolve_env_id(cfg.env), "max_turns"):
         kwargs.setdefault("max_turns", cfg.rollout.max_turns)
+    return kwargs
+
+
+def env_factory(cfg: TrainConfig, tokenizer: Any, *, eval_split: bool = False) -> Callable[[], Any]:
+    import gymnasium as gym
+
+    from agentrl.envs import resolve_env_id
+
+    env_id = resolve_env_id(cfg.env)
+    kwargs = env_kwargs(cfg, eval_split=eval_split)
     return lambda: gym.make(env_id, tokenizer=tokenizer, **kwargs)
+
+
+def eval_setting(cfg: TrainConfig) -> dict[str, Any]:
+    """What the run's evals measure, for the record: the env and the arguments that choose its
+    held-out problems (split, tasks, difficulty, ...), how many, and how they are sampled."""
+    import json
+
+    chosen = {k: v for k, v in env_kwargs(cfg, eval_split=True).items()
+              if isinstance(v, str | int | float | bool | list | dict)}
+    return {"env": cfg.env, **json.loads(json.dumps(chosen, default=str)),
+            "problems": cfg.eval_problems, "samples_per_problem": cfg.eval_samples,
+            "temperature": cfg.eval_temperature}
 
 
 def sampling_params(
@@ -107,14 +127,21 @@ def collect_agent_episodes(
     engine: Any, cfg: TrainConfig, tokenizer: Any, seeds: list[int], step: int
 ) -> list[Trajectory]:
     """Run the configured black-box agent through the recording proxy: prompt i of the step is
-    task `seeds[i] % len(tasks)`, run n_samples_per_prompt times as one group."""
+    task `seeds[i] % len(tasks)`, run n_samples_per_prompt times as one group, each episode
+    scored by --agent_reward or by the reward service of --reward.url."""
     import asyncio
 
-    from servers.agents import run_agents
+    from servers.agents import remote_agent_reward, run_agents
     from servers.app import create_app
     from servers.config import ProxyConfig
 
-    agent_fn, reward_fn = load_callable(cfg.agent), load_callable(cfg.agent_reward)
+    agent_fn = load_callable(cfg.agent)
+    if cfg.agent_reward:
+        reward_fn = load_callable(cfg.agent_reward)
+    else:  # the config checked that one of the two is set
+        assert cfg.reward.url is not None
+        reward_fn = remote_agent_reward(cfg.reward.url, timeout_s=cfg.reward.timeout_s,
+                                        retries=cfg.reward.retries, max_batch=cfg.reward.max_batch)
     tasks = load_tasks(cfg.agent_tasks)
     _warn_unused_budgets(cfg)
     picked = [tasks[s % len(tasks)] for s in seeds]
@@ -177,11 +204,13 @@ def evaluate_engine(engine: Any, cfg: TrainConfig, tokenizer: Any) -> dict[str, 
     )
     return {
         "pass@1": result.pass_at_1,
+        "pass@1_ci95": result.pass_at_1_ci95,
         f"pass@{cfg.eval_samples}": result.pass_at_k,
         "mean_return": result.mean_return,
         "num_problems": result.num_problems,
         "num_samples": result.num_samples,
         "trajectories": result.trajectories,
+        "rates": result.rates(),
     }
 
 

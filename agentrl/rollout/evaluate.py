@@ -84,6 +84,18 @@ class EvalResult:
     trajectories: list[Trajectory] = field(repr=False)
     per_problem: list[tuple[int, int]] = field(repr=False)
     """(samples, solved) per problem in the estimates."""
+    problem_indices: list[int] = field(default_factory=list, repr=False)
+    """The problem index (`info["prompt_index"]`) of each `per_problem` entry."""
+
+    @property
+    def pass_at_1_ci95(self) -> float:
+        """Half-width of a 95% interval for pass@1 (normal approximation over problems: the
+        samples of one problem are not independent, so problems are the unit)."""
+        return ci95([c / n for n, c in self.per_problem])
+
+    def rates(self) -> dict[int, float]:
+        """Solve rate (pass@1) of each problem, by problem index."""
+        return {i: c / n for i, (n, c) in zip(self.problem_indices, self.per_problem, strict=True)}
 
     def summary(self) -> str:
         extra = ""
@@ -92,10 +104,30 @@ class EvalResult:
         if self.num_env_errors:
             extra += f", {self.num_env_errors} env errors"
         return (
-            f"pass@1 {self.pass_at_1:.4f}  pass@{self.k} {self.pass_at_k:.4f}  mean return "
-            f"{self.mean_return:.4f}  on "
+            f"pass@1 {self.pass_at_1:.4f} +- {self.pass_at_1_ci95:.4f} (95%)  pass@{self.k} "
+            f"{self.pass_at_k:.4f}  mean return {self.mean_return:.4f}  on "
             f"{self.num_problems} problems ({self.num_samples} samples{extra})"
         )
+
+
+def ci95(values: Sequence[float]) -> float:
+    """Half-width of the normal-approximation 95% interval of the mean of `values` (the
+    problems' own rates, or their before/after differences); 0 for fewer than two."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return 1.96 * (var / n) ** 0.5
+
+
+def paired_change(before: dict[int, float], after: dict[int, float]) -> tuple[float, float, int]:
+    """(mean change of pass@1, its 95% half-width, problems) over the problems both evals
+    scored, from the per-problem differences: the same problems before and after, so the
+    interval is narrower than either eval's own."""
+    common = sorted(before.keys() & after.keys())
+    diffs = [after[i] - before[i] for i in common]
+    return (sum(diffs) / len(diffs) if diffs else 0.0), ci95(diffs), len(common)
 
 
 def score(trajectories: Sequence[Trajectory], k: int) -> EvalResult:
@@ -112,7 +144,8 @@ def score(trajectories: Sequence[Trajectory], k: int) -> EvalResult:
         env_errors += "error" in traj.info
         returns.append(traj.total_reward)
         groups.setdefault(index, []).append(is_solved(traj))
-    per_problem = [(len(v), sum(v)) for _, v in sorted(groups.items()) if v]
+    scored = [(i, v) for i, v in sorted(groups.items()) if v]
+    per_problem = [(len(v), sum(v)) for _, v in scored]
     p1 = [c / n for n, c in per_problem]
     # A problem that lost samples to discards and has fewer than k left: pass@n.
     pk = [pass_at_k(n, c, min(k, n)) for n, c in per_problem]
@@ -127,6 +160,7 @@ def score(trajectories: Sequence[Trajectory], k: int) -> EvalResult:
         mean_return=sum(returns) / len(returns) if returns else 0.0,
         trajectories=list(trajectories),
         per_problem=per_problem,
+        problem_indices=[i for i, _ in scored],
     )
 
 

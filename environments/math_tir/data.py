@@ -102,6 +102,9 @@ def _drop_unparseable(problems: list[Problem], where: str) -> list[Problem]:
 
 def normalize_tasks(tasks: str | Sequence[str] | Mapping[str, float]) -> dict[str, float]:
     """"a,b" / ["a", "b"] / {"a": 3, "b": 1} -> {name: weight}, validated against reasoning-gym."""
+    # The package first: importing it registers the tasks, and an env built in another thread
+    # at the same time may be doing so (the factory module alone would show half a registry).
+    import reasoning_gym  # noqa: F401
     from reasoning_gym.factory import DATASETS
 
     if isinstance(tasks, str):
@@ -122,25 +125,44 @@ def normalize_tasks(tasks: str | Sequence[str] | Mapping[str, float]) -> dict[st
     return {k: float(v) for k, v in weights.items()}
 
 
+def normalize_difficulty(difficulty: str | Sequence[str] | Mapping[str, float]) -> dict[str, float]:
+    """"medium" / "easy,medium" / {"easy": 1, "medium": 3} -> {difficulty: weight}."""
+    if isinstance(difficulty, str):
+        difficulty = [d.strip() for d in difficulty.split(",") if d.strip()]
+    weights = dict(difficulty) if isinstance(difficulty, Mapping) else {d: 1.0 for d in difficulty}
+    if not weights:
+        raise ValueError(f"difficulty must name one of {DIFFICULTIES} (or a mix such as "
+                         f"'easy,medium' or {{'easy': 1, 'medium': 3}})")
+    for name, w in weights.items():
+        if name not in DIFFICULTIES:
+            raise ValueError(f"difficulty must be one of {DIFFICULTIES} (or a mix such as "
+                             f"'easy,medium'), got {name!r}")
+        if not isinstance(w, int | float) or isinstance(w, bool) or w <= 0:
+            raise ValueError(f"difficulty weight for {name!r} must be a positive number, "
+                             f"got {w!r}")
+    return {k: float(v) for k, v in weights.items()}
+
+
 def generate_problems(
     tasks: str | Sequence[str] | Mapping[str, float] = "basic_arithmetic",
     *,
     split: str = "train",
     num_problems: int = 1000,
-    difficulty: str = "easy",
+    difficulty: str | Sequence[str] | Mapping[str, float] = "easy",
     seed: int = 0,
     task_options: Mapping[str, Mapping[str, object]] | None = None,
     eval_fraction: float = DEFAULT_EVAL_FRACTION,
 ) -> tuple[Problem, ...]:
     """`num_problems` distinct problems of `split`, drawn from reasoning-gym tasks.
 
-    Each task gets a share of `num_problems` proportional to its weight; the mix is then
-    shuffled with `seed`. Fewer come back (with a warning) if a task's problem space is too
-    small to fill its share.
+    Each task gets a share of `num_problems` proportional to its weight, and so does each
+    difficulty of a mix (`difficulty="easy,medium"` or `{"easy": 1, "medium": 3}`: the shares
+    of each difficulty are generated as for that difficulty alone); the mix is then shuffled
+    with `seed`. Fewer come back (with a warning) if a task's problem space is too small to
+    fill its share.
     """
     _check_split(split, eval_fraction)
-    if difficulty not in DIFFICULTIES:
-        raise ValueError(f"difficulty must be one of {DIFFICULTIES}, got {difficulty!r}")
+    levels = normalize_difficulty(difficulty)
     if num_problems < 1:
         raise ValueError(f"num_problems must be >= 1, got {num_problems}")
     weights = normalize_tasks(tasks)
@@ -150,7 +172,19 @@ def generate_problems(
         logger.warning("task_options for %s ignored: not in tasks %s", sorted(unknown),
                        sorted(weights))
     key = json.dumps([weights, options], sort_keys=True, default=list)
-    return _generate_cached(key, split, num_problems, difficulty, seed, eval_fraction)
+    if len(levels) == 1:
+        return _generate_cached(key, split, num_problems, next(iter(levels)), seed, eval_fraction)
+    total = sum(levels.values())
+    out: list[Problem] = []
+    seen: set[str] = set()
+    for level in sorted(levels):
+        share = max(1, round(num_problems * levels[level] / total))
+        for p in _generate_cached(key, split, share, level, seed, eval_fraction):
+            if p.uid not in seen:  # the same question at two difficulties counts once
+                seen.add(p.uid)
+                out.append(p)
+    random.Random(seed).shuffle(out)
+    return tuple(out[:num_problems])
 
 
 @functools.lru_cache(maxsize=32)

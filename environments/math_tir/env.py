@@ -90,7 +90,7 @@ class _MathEnvBase(ChatEnv):
         *,
         split: str,
         tasks: str | Sequence[str] | Mapping[str, float],
-        difficulty: str,
+        difficulty: str | Sequence[str] | Mapping[str, float],
         num_problems: int | None,
         seed: int,
         data_path: str | Path | None,
@@ -171,7 +171,8 @@ class MathTIREnv(_MathEnvBase):
         split: "train" or "eval" (disjoint by problem identity).
         tasks: reasoning-gym task(s): "basic_arithmetic", "gsm_symbolic", a comma list, or
             {name: weight}. Ignored when `data_path` is given.
-        difficulty: "easy" | "medium" | "hard" presets for the tuned tasks (see data.py).
+        difficulty: "easy" | "medium" | "hard" presets for the tuned tasks (see data.py), or
+            a mix: "easy,medium" or {"easy": 1, "medium": 3} (shares of the problems).
         num_problems: size of the split (default 2000 train / 200 eval; all rows of a file).
         seed: generation seed of reasoning-gym problems (not the episode seed).
         data_path: .jsonl/.json/.parquet file or local `datasets` directory instead.
@@ -201,7 +202,7 @@ class MathTIREnv(_MathEnvBase):
         *,
         split: str = "train",
         tasks: str | Sequence[str] | Mapping[str, float] = "basic_arithmetic",
-        difficulty: str = "easy",
+        difficulty: str | Sequence[str] | Mapping[str, float] = "easy",
         num_problems: int | None = None,
         seed: int = 0,
         data_path: str | Path | None = None,
@@ -346,7 +347,7 @@ class MathEnv(_MathEnvBase):
         *,
         split: str = "train",
         tasks: str | Sequence[str] | Mapping[str, float] = "basic_arithmetic",
-        difficulty: str = "easy",
+        difficulty: str | Sequence[str] | Mapping[str, float] = "easy",
         num_problems: int | None = None,
         seed: int = 0,
         data_path: str | Path | None = None,

@@ -51,6 +51,28 @@ def test_difficulty_changes_problems():
     assert max(len(p.question) for p in easy) < max(len(p.question) for p in hard)
 
 
+def test_a_difficulty_mix_holds_both_kinds_in_its_shares():
+    """#20: the default run trains on "easy,medium" ({"easy": w, "medium": w} weighs them); each
+    share is what that difficulty alone generates, and the split stays disjoint."""
+    easy = set(generate_problems("basic_arithmetic", split="train", num_problems=200))
+    medium = set(generate_problems("basic_arithmetic", split="train", num_problems=600,
+                                   difficulty="medium"))
+    mix = generate_problems("basic_arithmetic", split="train", num_problems=400,
+                            difficulty="easy,medium")
+    assert len(mix) == len(set(mix)) == 400
+    assert sum(p in easy for p in mix) == 200 and sum(p in medium for p in mix) == 200
+    weighted = generate_problems("basic_arithmetic", split="train", num_problems=400,
+                                 difficulty={"easy": 1, "medium": 3})
+    assert sum(p in medium for p in weighted) == 300
+    evals = generate_problems("basic_arithmetic", split="eval", num_problems=40,
+                              difficulty="easy,medium")
+    assert not {p.uid for p in evals} & {p.uid for p in mix}
+    with pytest.raises(ValueError, match=r"difficulty must be one of .* got 'meduim'"):
+        generate_problems("basic_arithmetic", difficulty="easy,meduim")
+    with pytest.raises(ValueError, match="difficulty weight for 'easy' must be a positive"):
+        generate_problems("basic_arithmetic", difficulty={"easy": 0})
+
+
 def test_unknown_task_and_split_say_what_to_do():
     with pytest.raises(
         ValueError, match="unknown reasoning-gym task 'gsm_symbolc'.*'gsm_symbolic'"
@@ -140,3 +162,30 @@ def test_bad_paths(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "a", "answer": "1"}) + "\n{oops\n")
     with pytest.raises(ValueError, match=r"bad.jsonl: line 2: invalid JSON"):
         load_problems(tmp_path / "bad.jsonl")
+
+
+def test_envs_built_in_many_threads_at_once_find_their_tasks():
+    """The first math envs of a process are built by the rollout's thread pool all at once: the
+    one importing reasoning-gym registers its tasks while the others look them up. Each must
+    wait for the whole registry (they once saw half of it: "unknown reasoning-gym task
+    'basic_arithmetic'"). A fresh interpreter, so reasoning-gym is not imported yet."""
+    import subprocess
+    import sys
+
+    code = """
+from concurrent.futures import ThreadPoolExecutor
+from environments.math_tir.data import generate_problems
+errors = []
+def make(i):
+    try:
+        generate_problems("basic_arithmetic", split="eval", num_problems=20,
+                          difficulty="easy,medium")
+    except ValueError as e:
+        errors.append(e)
+with ThreadPoolExecutor(64) as pool:
+    list(pool.map(make, range(64)))
+print(len(errors))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=300)
+    assert out.stdout.split()[-1] == "0", out.stdout + out.stderr

@@ -59,6 +59,26 @@ def test_score_rules():
     # problem 1 has one sample left (< k): it contributes pass@1
     assert result.pass_at_k == pytest.approx((pass_at_k(3, 1, 2) + 1 + 1 + 0) / 4)
     assert "2 discarded (env or sandbox failures) excluded" in result.summary()
+    assert result.rates() == {0: pytest.approx(1 / 3), 1: 1.0, 3: 0.5, 4: 0.0}
+
+
+def test_intervals_count_problems_not_samples():
+    """#20 item 2: the 95% interval of pass@1 is over problems (their samples are not
+    independent), and the before/after change is paired on the same problems."""
+    from agentrl.rollout.evaluate import ci95, paired_change
+
+    rates = [1.0, 0.0, 0.5, 0.5]
+    mean, sd = 0.5, (sum((r - 0.5) ** 2 for r in rates) / 3) ** 0.5
+    assert ci95(rates) == pytest.approx(1.96 * sd / 2) and ci95([0.7]) == 0.0
+    trajs = [_traj(i, 1.0, correct=c) for i, c in ((0, True), (0, True), (1, False), (1, False),
+                                                  (2, True), (2, False), (3, False), (3, True))]
+    assert score(trajs, k=1).pass_at_1_ci95 == pytest.approx(ci95(rates))
+    assert mean == score(trajs, k=1).pass_at_1
+    # Every problem gains exactly 0.5: the paired interval is 0, however spread the rates are.
+    before, after = {0: 0.0, 1: 0.5, 2: 0.0, 3: 0.5}, {0: 0.5, 1: 1.0, 2: 0.5, 3: 1.0, 9: 1.0}
+    assert paired_change(before, after) == (0.5, 0.0, 4)
+    change, half, n = paired_change({0: 0.0, 1: 0.0}, {0: 1.0, 1: 0.0})
+    assert (change, n) == (0.5, 2) and half == pytest.approx(1.96 * (0.5 ** 0.5) / 2 ** 0.5)
 
 
 class ScriptedEngine:

@@ -115,6 +115,20 @@ def test_default_is_math_tir_preset():
     cfg = build_config([])
     assert cfg.env == "math-tir" and cfg.actor.model == "smollm2-135m-instruct"
     assert cfg.eval_problems > 0 and cfg == TrainConfig(**cfg.__dict__)
+    # #20: it trains on easy and medium problems and is judged on held-out medium ones, with
+    # at least 64 samples.
+    assert cfg.env_kwargs["difficulty"] == "easy,medium"
+    assert cfg.eval_env_kwargs == {"split": "eval", "difficulty": "medium"}
+    assert cfg.eval_problems * cfg.eval_samples >= 64 and cfg.eval_temperature == 1.0
+
+
+def test_presets_by_name():
+    easy = build_config(["--preset", "math-tir-easy", "--steps", "3"])
+    assert easy.env == "math-tir" and easy.env_kwargs["difficulty"] == "easy"
+    assert easy.eval_env_kwargs == {"split": "eval"} and easy.steps == 3
+    with pytest.raises(ValueError, match="--preset 'math-tir-hard' is not a preset; choose one "
+                                         "of .*math-tir-easy"):
+        build_config(["--preset", "math-tir-hard"])
 
 
 def test_boolean_flags_take_any_case_and_strings_stay_as_typed():

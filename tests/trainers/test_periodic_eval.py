@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from trainers.checkpoint import best_checkpoint, load_checkpoint
 from trainers.controller import Trainer
 
@@ -22,6 +24,18 @@ def test_periodic_evals_and_the_best_checkpoint(make_cfg):
     assert all("eval/pass@1" in r for r in rows if "eval/mean_return" in r)
     assert sorted(p.name for p in (run / "evals").iterdir()) == [
         "step_000002.jsonl", "step_000004.jsonl", "step_000006.jsonl"]
+    # #20 item 2: before and after on the same problems, each with its 95% interval, and the
+    # change paired over those problems; one line names what was evaluated.
+    from trainers.controller_run import eval_report
+
+    change = summary["eval_change"]
+    assert change["pass@1"] == pytest.approx(
+        summary["eval_after"]["pass@1"] - summary["eval_before"]["pass@1"])
+    assert change["num_problems"] == 4 and change["setting"]["problems"] == 4
+    assert change["setting"]["env"] == cfg.env and change["ci95"] >= 0
+    assert "pass@1_ci95" in summary["eval_before"] and "pass@1_ci95" in summary["eval_after"]
+    assert f"on {cfg.env} (" in eval_report(summary) and "4 problems x 1 samples" in eval_report(
+        summary)
     after = summary["eval_after"]["mean_return"]
     scores = {**periodic, 7: after}
     best_step = max(scores, key=lambda s: (scores[s], -s))  # the first of equal bests
