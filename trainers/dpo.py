@@ -59,14 +59,16 @@ class DPOTrainer(PairTrainer):
     kind = "dpo"
     score_name = "rewards"
 
-    def __init__(self, cfg: DPOConfig, data: OfflineData[Pair], tokenizer: Any) -> None:
-        super().__init__(cfg, data.train, data.eval, tokenizer)
+    def __init__(self, cfg: DPOConfig, data: OfflineData[Pair], tokenizer: Any,
+                 **dist: Any) -> None:
+        super().__init__(cfg, data.train, data.eval, tokenizer, **dist)
         self.dcfg = cfg
         self._reference_logprobs(data.train + data.eval)
 
     def _reference_logprobs(self, pairs: list[Pair]) -> None:
         """log pi_ref of every reply, once: with the initial policy (this trainer's model
-        before any update) or the --ref_model."""
+        before any update) or the --ref_model. Every rank scores every pair (in the same
+        passes, as a sharded policy needs); a --ref_model is a plain copy on each rank."""
         import torch
 
         module, backend = self.backend.module, None
@@ -74,8 +76,8 @@ class DPOTrainer(PairTrainer):
             from agentrl.backends import DistSpec, create_backend, resolve_backend_name
             from agentrl.models import load_model
 
-            backend = create_backend(resolve_backend_name(self.cfg.backend, self.device),
-                                     DistSpec())
+            name = "local" if self.world > 1 else self.cfg.backend
+            backend = create_backend(resolve_backend_name(name, self.device), DistSpec())
             backend.setup(load_model(self.dcfg.ref_model, dtype=self.cfg.actor.dtype).eval(),
                           None, self.device)
             module = backend.module

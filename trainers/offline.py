@@ -5,8 +5,14 @@ checkpoints with exact resume, metrics and the final Hugging Face export.
 The update is the RL trainer's machinery: the same backends (`--backend`), packing, log-prob
 function (`trainers.logprobs.token_logprobs`), checkpoints, MetricsLogger (metrics.jsonl,
 TensorBoard, W&B; `agentrl plot`) and progress bar. A trainer implements `train_step` (one
-optimizer step on a list of examples) and `evaluate` (metrics of the held-out examples).
-One process: the distributed backends run as one rank here.
+optimizer step on its share of a batch) and `evaluate` (metrics of its share of the held-out
+examples), each summing over ranks what it normalises by or reports (`all_sum`).
+
+`--num_workers N` (with `--backend fsdp2` or `deepspeed`) trains data-parallel in N Ray
+actors: every rank draws the same batch and takes every N-th example of it (`shard`), padded
+with zero-weight repeats so that all ranks run the same forward/backward passes (the
+collectives of a sharded model need that); losses are normalised by global counts, so N ranks
+make the update of one process. Rank 0 writes the checkpoints and the export.
 """
 
 from __future__ import annotations
@@ -58,6 +64,11 @@ class OfflineConfig:
     save_every: int = 0
     """Save a checkpoint every N steps (one is always saved at the end)."""
     keep_last: int = 2
+    num_workers: int = 1
+    """Data-parallel ranks, each a Ray actor with its share of every batch (needs --backend
+    fsdp2 or deepspeed); the CPUs or GPUs are split between them."""
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage (--backend deepspeed)."""
     resume: str | None = None
     """A checkpoint directory, or `auto` for the run directory's latest."""
     seed: int = 0
@@ -75,6 +86,23 @@ class OfflineConfig:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.max_steps < 0 or self.eval_every < 0 or self.save_every < 0:
             raise ValueError("--max_steps, --eval_every and --save_every must be >= 0")
+        if self.num_workers < 1:
+            raise ValueError(f"--num_workers must be >= 1, got {self.num_workers}")
+        if self.num_workers > 1:
+            from agentrl.backends import DISTRIBUTED
+
+            if self.backend not in DISTRIBUTED:
+                raise ValueError(f"--num_workers {self.num_workers} trains data-parallel: it "
+                                 f"needs --backend {' or '.join(DISTRIBUTED)}, got --backend "
+                                 f"{self.backend}")
+            if self.actor.lora_rank:
+                raise ValueError("--actor.lora_rank trains on one worker for now; drop "
+                                 "--num_workers (LoRA rarely needs sharding)")
+            if self.batch_size < self.num_workers:
+                raise ValueError(f"--batch_size {self.batch_size} gives some of the "
+                                 f"{self.num_workers} workers nothing: raise it")
+        if self.zero_stage not in (1, 2, 3):
+            raise ValueError(f"--zero_stage must be 1, 2 or 3, got {self.zero_stage}")
 
 
 @dataclass
@@ -142,7 +170,9 @@ def truncate(trajs: Sequence[Any], max_len: int) -> int:
         t.logprobs = t.logprobs[:max_len]
         t.turns = [Turn(obs_start=x.obs_start, start=x.start, end=min(x.end, max_len),
                         reward=x.reward, policy_version=x.policy_version,
-                        finish_reason="length" if x.end > max_len else x.finish_reason)
+                        finish_reason="length" if x.end > max_len else x.finish_reason,
+                        version_changes=[c for c in x.version_changes
+                                         if x.start + c[0] < max_len])
                    for x in t.turns if x.start < max_len]
         t.images = [im for im in t.images if im.end <= max_len]
     return cut
@@ -155,7 +185,7 @@ class OfflineTrainer:
     """Names the trainer in its checkpoints (a resume checks it)."""
 
     def __init__(self, cfg: OfflineConfig, train: list[Any], held: list[Any],
-                 tokenizer: Any) -> None:
+                 tokenizer: Any, *, rank: int = 0, dist_addr: str = "") -> None:
         import torch
 
         from agentrl.backends import (
@@ -179,14 +209,20 @@ class OfflineTrainer:
         if a.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.backend = create_backend(resolve_backend_name(cfg.backend, self.device), DistSpec())
+        self.rank, self.world = rank, cfg.num_workers
+        dist = DistSpec(rank=rank, world_size=self.world, addr=dist_addr,
+                        zero_stage=cfg.zero_stage,
+                        micro_batches_per_step=-(-self.per_rank // cfg.micro_batch_size))
+        self.backend = create_backend(resolve_backend_name(cfg.backend, self.device), dist)
         self.backend.setup(self.trained_module(self.model), OptimizerSpec(
             lr=a.lr, betas=a.betas, weight_decay=a.weight_decay, warmup_steps=a.warmup_steps,
             max_grad_norm=a.max_grad_norm), self.device)
-        # The log-prob function's settings, as the RL trainer passes them (temperature 1).
-        self.tcfg = TrainConfig(actor=a, backend=cfg.backend, packing=cfg.packing,
-                                share_prefixes=False, micro_batch_size=cfg.micro_batch_size,
-                                use_ray=False, seed=cfg.seed)
+        # The log-prob function's settings, as the RL trainer passes them (temperature 1);
+        # only carried, not an RL run's config to check.
+        with deferred_validation():
+            self.tcfg = TrainConfig(actor=a, backend=cfg.backend, packing=cfg.packing,
+                                    share_prefixes=False, micro_batch_size=cfg.micro_batch_size,
+                                    use_ray=False, seed=cfg.seed)
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else tokenizer.eos_token_id)
         per_epoch = math.ceil(len(train) / cfg.batch_size)
@@ -214,13 +250,33 @@ class OfflineTrainer:
 
     def next_items(self) -> list[Any]:
         """The next --batch_size examples of the epoch's shuffled order (an epoch's last step
-        may be shorter: steps never mix two epochs)."""
+        may be shorter: steps never mix two epochs); the same on every rank."""
         if self.pos >= len(self.order):
             self.epoch += 1
             self.order, self.pos = self._epoch_order(self.epoch), 0
         take = self.order[self.pos : self.pos + self.cfg.batch_size]
         self.pos += len(take)
         return [self.train[i] for i in take]
+
+    def advance(self) -> dict[str, float]:
+        """One optimizer step on this rank's share of the next batch; its metrics."""
+        metrics = self.train_step(self.next_items())
+        self.step += 1
+        return metrics
+
+    def shard(self, items: Sequence[T], size: int | None = None) -> tuple[list[T], list[float]]:
+        """This rank's share of `items` (every world-th) and each one's weight, padded with
+        weight-0 repeats to `size` (default: the largest share), the same on every rank: all
+        ranks then run the same passes (a sharded model's collectives need that), and a step
+        the same number of micro-batches (DeepSpeed's accumulation boundary)."""
+        mine = list(items[self.rank :: self.world])
+        pad = max(size or -(-len(items) // self.world), len(mine)) - len(mine)
+        return mine + [items[0]] * pad, [1.0] * len(mine) + [0.0] * pad
+
+    @property
+    def per_rank(self) -> int:
+        """Examples of a full step on each rank (shorter steps are padded to it)."""
+        return -(-self.cfg.batch_size // self.world)
 
     def batch(self, trajs: Sequence[Any]) -> Any:
         from trainers.batch import collate
@@ -240,13 +296,17 @@ class OfflineTrainer:
     def load_extra_state(self, state: dict[str, Any]) -> None:
         pass
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """A checkpoint (rank 0 writes it and returns its path; gathering the state is a
+        collective every rank joins)."""
         from trainers.checkpoint import rng_state, save_checkpoint
 
         state = {"backend": self.backend.state_dict(), "rng": rng_state(),
                  "extra": self.extra_state()}
+        if self.rank != 0:
+            return None
         trainer = {"step": self.step, "epoch": self.epoch, "pos": self.pos,
-                   "order": self.order, "kind": self.kind}
+                   "order": self.order, "kind": self.kind, "world": self.world}
         return save_checkpoint(self.cfg.run_dir, self.step, state, trainer,
                                keep=self.cfg.keep_last)
 
@@ -257,6 +317,9 @@ class OfflineTrainer:
         if trainer.get("kind") != self.kind:
             raise ValueError(f"{path} is not an `agentrl {self.kind}` checkpoint (it is "
                              f"{trainer.get('kind', 'an RL run')}'s)")
+        if self.cfg.backend == "deepspeed" and trainer.get("world", 1) != self.world:
+            raise ValueError(f"{path} was saved by {trainer.get('world', 1)} DeepSpeed workers; "
+                             f"resume it with --num_workers {trainer.get('world', 1)}")
         self.backend.load_state_dict(state["backend"])
         set_rng_state(state["rng"])
         self.load_extra_state(state.get("extra", {}))
@@ -272,8 +335,15 @@ class OfflineTrainer:
             self.model.save_pretrained(path.parent / "adapter")
             save_merged(self.model, self.tokenizer, path)
             return
-        self.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        weights = self.full_weights()
+        if self.rank == 0:
+            self.model.save_pretrained(path, state_dict=weights)
+            self.tokenizer.save_pretrained(path)
+
+    def full_weights(self) -> dict[str, Any] | None:
+        """The trained module's full weights when sharded over ranks (a collective; None in
+        one process, where the model holds them)."""
+        return dict(self.backend.full_weights()) if self.world > 1 else None
 
 
 def resume_point(cfg: OfflineConfig) -> Path | None:
@@ -287,7 +357,7 @@ def resume_point(cfg: OfflineConfig) -> Path | None:
     return found
 
 
-def run_offline(cfg: OfflineConfig, trainer: OfflineTrainer, resume: Path | None,
+def run_offline(cfg: OfflineConfig, trainer: OfflineTrainer | RankGroup, resume: Path | None,
                 summary: dict[str, Any]) -> dict[str, Any]:
     """Train to the end, evaluating before, every --eval_every steps and after; returns the
     summary with the evaluations, the last checkpoint and the exported model."""
@@ -307,8 +377,7 @@ def run_offline(cfg: OfflineConfig, trainer: OfflineTrainer, resume: Path | None
                 log.log(0, before)
                 summary["eval_before"] = before
         while trainer.step < trainer.total_steps:
-            metrics = trainer.train_step(trainer.next_items())
-            trainer.step += 1
+            metrics = trainer.advance()
             if cfg.eval_every and trainer.step % cfg.eval_every == 0:
                 metrics.update({f"eval/{k}": v for k, v in trainer.evaluate().items()})
             log.log(trainer.step, metrics)
@@ -341,7 +410,86 @@ def train_offline(cfg: C, load: Callable[[C, Any], OfflineData[Any]],
     summary: dict[str, Any] = {"run_dir": cfg.run_dir, f"train_{unit}": len(data.train),
                                f"eval_{unit}": len(data.eval), "skipped": data.skipped,
                                "truncated": data.truncated}
-    return run_offline(cfg, trainer(cfg, data, tokenizer), resume, summary)
+    if cfg.num_workers == 1:
+        return run_offline(cfg, trainer(cfg, data, tokenizer), resume, summary)
+    group = RankGroup.start(cfg, trainer, data, tokenizer)
+    try:
+        return run_offline(cfg, group, resume, summary)
+    finally:
+        group.close()
+
+
+class RankGroup:
+    """The N data-parallel ranks of `--num_workers N`, each a Ray actor holding one trainer:
+    every call goes to all of them (the collectives inside need every rank) and answers with
+    rank 0's result. It offers what `run_offline` uses of a trainer."""
+
+    def __init__(self, actors: list[Any], total_steps: int) -> None:
+        self.actors, self.total_steps, self.step = actors, total_steps, 0
+
+    @classmethod
+    def start(cls, cfg: OfflineConfig, make: Callable[..., OfflineTrainer],
+              data: OfflineData[Any], tokenizer: Any) -> RankGroup:
+        import ray
+
+        from trainers.ray_utils import free_tcp_address, init_ray
+
+        init_ray()
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        cuda = gpus > 0 and cfg.actor.device in ("auto", "cuda")
+        if cuda and gpus < cfg.num_workers:
+            raise ValueError(f"--num_workers {cfg.num_workers} needs a GPU each; the cluster "
+                             f"has {gpus}")
+        cpus = float(ray.cluster_resources().get("CPU", 1)) / cfg.num_workers
+        opts = {"num_gpus": 1, "num_cpus": 1} if cuda else {
+            "num_cpus": math.floor(cpus) if cpus >= 1 else cpus}
+        addr = free_tcp_address()
+        actors: list[Any] = [
+            ray.remote(_Rank).options(**opts).remote(make, cfg, data, tokenizer, r, addr)
+            for r in range(cfg.num_workers)]
+        return cls(actors, int(ray.get(actors[0].call.remote("__getattribute__",
+                                                                 "total_steps"))))
+
+    def _all(self, method: str, *args: Any) -> Any:
+        import ray
+
+        return ray.get([a.call.remote(method, *args) for a in self.actors])[0]
+
+    def restore(self, path: Path) -> None:
+        self._all("restore", path)
+        self.step = self._all("__getattribute__", "step")
+
+    def advance(self) -> dict[str, float]:
+        metrics = self._all("advance")
+        self.step += 1
+        return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        return self._all("evaluate")
+
+    def save(self) -> Path:
+        return self._all("save")
+
+    def export_hf(self, path: Path) -> None:
+        self._all("export_hf", path)
+
+    def close(self) -> None:
+        from trainers.ray_utils import shutdown_ray
+
+        shutdown_ray()
+
+
+class _Rank:
+    """One rank's trainer in its Ray actor."""
+
+    def __init__(self, make: Callable[..., OfflineTrainer], cfg: OfflineConfig,
+                 data: OfflineData[Any], tokenizer: Any, rank: int, addr: str) -> None:
+        self.trainer = make(cfg, data, tokenizer, rank=rank, dist_addr=addr)
+
+    def call(self, method: str, *args: Any) -> Any:
+        if method == "__getattribute__":
+            return getattr(self.trainer, args[0])
+        return getattr(self.trainer, method)(*args)
 
 
 def cli_main(config_cls: type[C], run: Callable[[C], dict[str, Any]], prog: str,

@@ -127,14 +127,20 @@ class PairTrainer(OfflineTrainer):
         """(loss_B, chosen score_B, rejected score_B) of `pairs` under `module`."""
         raise NotImplementedError
 
-    def _sums(self, module: Any, pairs: list[Pair], divisor: float) -> tuple[Tensor,
-                                                                            dict[str, float]]:
+    def _sums(self, module: Any, pairs: list[Pair], weights: list[float],
+              divisor: float) -> tuple[Tensor, dict[str, float]]:
         loss_B, c, r = self.pair_loss(module, pairs)
+        w = torch.tensor(weights, device=loss_B.device, dtype=loss_B.dtype)
         c, r = c.detach(), r.detach()
         right = (c > r).float() + 0.5 * (c == r).float()
-        return loss_B.sum() / divisor, {"loss": float(loss_B.detach().sum()),
-                                        "chosen": float(c.sum()), "rejected": float(r.sum()),
-                                        "right": float(right.sum())}
+        return (loss_B * w).sum() / divisor, {
+            "loss": float((loss_B.detach() * w).sum()), "chosen": float((c * w).sum()),
+            "rejected": float((r * w).sum()), "right": float((right * w).sum())}
+
+    def _over_ranks(self, sums: dict[str, float]) -> dict[str, float]:
+        from agentrl.backends.distributed import all_sum
+
+        return dict(zip(sums, all_sum(list(sums.values())), strict=True))
 
     def _metrics(self, sums: dict[str, float], n: float) -> dict[str, float]:
         n, name = max(n, 1.0), self.score_name
@@ -146,15 +152,21 @@ class PairTrainer(OfflineTrainer):
     def train_step(self, items: list[Pair]) -> dict[str, float]:
         t0 = time.perf_counter()
         num_pairs = float(len(items))  # losses are summed over pairs, / the step's pairs
+        mine, weights = self.shard(items, self.per_rank)
         sums = dict.fromkeys(("loss", "chosen", "rejected", "right"), 0.0)
         step = self.cfg.micro_batch_size
-        for i in range(0, len(items), step):
-            m = self.backend.forward_backward(
-                items[i : i + step], lambda module, pairs: self._sums(module, pairs, num_pairs))
+        for i in range(0, len(mine), step):
+            w = weights[i : i + step]
+
+            def loss_fn(module: Any, pairs: list[Pair], w: list[float] = w
+                        ) -> tuple[Tensor, dict[str, float]]:
+                return self._sums(module, pairs, w, num_pairs)
+
+            m = self.backend.forward_backward(mine[i : i + step], loss_fn)
             for k in sums:
                 sums[k] += m[k]
         stats = self.backend.optimizer_step()
-        return {**self._metrics(sums, num_pairs), "pairs": num_pairs,
+        return {**self._metrics(self._over_ranks(sums), num_pairs), "pairs": num_pairs,
                 "epoch": float(self.epoch), "time_step": time.perf_counter() - t0, **stats}
 
     def evaluate(self) -> dict[str, float]:
@@ -162,9 +174,11 @@ class PairTrainer(OfflineTrainer):
             return {}
         sums = dict.fromkeys(("loss", "chosen", "rejected", "right"), 0.0)
         step = self.cfg.micro_batch_size
+        mine, weights = self.shard(self.held)
         with torch.no_grad():
-            for i in range(0, len(self.held), step):
-                _, m = self._sums(self.backend.module, self.held[i : i + step], 1.0)
+            for i in range(0, len(mine), step):
+                _, m = self._sums(self.backend.module, mine[i : i + step],
+                                  weights[i : i + step], 1.0)
                 for k in sums:
                     sums[k] += m[k]
-        return self._metrics(sums, float(len(self.held)))
+        return self._metrics(self._over_ranks(sums), float(len(self.held)))

@@ -54,9 +54,10 @@ class RMTrainer(PairTrainer):
     kind = "rm"
     score_name = "reward"
 
-    def __init__(self, cfg: RMConfig, data: OfflineData[Pair], tokenizer: Any) -> None:
+    def __init__(self, cfg: RMConfig, data: OfflineData[Pair], tokenizer: Any,
+                 **dist: Any) -> None:
         self.rcfg = cfg
-        super().__init__(cfg, data.train, data.eval, tokenizer)
+        super().__init__(cfg, data.train, data.eval, tokenizer, **dist)
 
     def trained_module(self, model: Any) -> Any:
         from trainers.critic import ValueModel
@@ -89,24 +90,46 @@ class RMTrainer(PairTrainer):
     def export_hf(self, path: Path) -> None:
         """The language model (its backbone trained) at `path`, as the policy's export is,
         and the reward model beside it at RUN_DIR/reward_model."""
-        super().export_hf(path)
-        save_reward_model(self.model, self.value_model.head, self.tokenizer,
-                          path.parent / "reward_model", base=self.cfg.actor.model)
+        full = self.full_weights()  # the ValueModel's, gathered when sharded over ranks
+        if full is None:
+            super().export_hf(path)
+            save_reward_model(self.model, self.value_model.head, self.tokenizer,
+                              path.parent / "reward_model", base=self.cfg.actor.model)
+            return
+        if self.rank != 0:
+            return
+        # The backbone is the language model's decoder ("model."); an untied LM head is not
+        # part of the reward model (never trained) and keeps the base's weights.
+        lm = {"model." + k.removeprefix("backbone."): v for k, v in full.items()
+              if k.startswith("backbone.")}
+        if not getattr(self.model.config, "tie_word_embeddings", False):
+            lm.update({k: v for k, v in self.model.state_dict().items()
+                       if k.startswith("lm_head.")})
+        head = {k.removeprefix("head."): v for k, v in full.items() if k.startswith("head.")}
+        for where in (path, path.parent / "reward_model"):
+            self.model.save_pretrained(where, state_dict=dict(lm))  # it empties the dict
+            self.tokenizer.save_pretrained(where)
+        save_reward_model(None, head, self.tokenizer, path.parent / "reward_model",
+                          base=self.cfg.actor.model)
+
+    def full_weights(self) -> dict[str, Any] | None:
+        return dict(self.backend.full_weights()) if self.world > 1 else None
 
 
-def save_reward_model(lm: Any, head: torch.nn.Module, tokenizer: Any, path: Path, *,
-                      base: str) -> None:
+def save_reward_model(lm: Any, head: torch.nn.Module | dict[str, Any], tokenizer: Any,
+                      path: Path, *, base: str) -> None:
     """A directory `load_reward_model` reads: the language model whose backbone the reward
-    model shares (a ValueModel trains it in place), its tokenizer, the head and a marker."""
+    model shares (a ValueModel trains it in place), its tokenizer, the head (a module or its
+    state dict) and a marker. `lm` None: the caller wrote the language model there."""
     from agentrl.models.lora import is_lora, save_merged
 
     path.mkdir(parents=True, exist_ok=True)
-    if is_lora(lm):
+    if lm is not None and is_lora(lm):
         save_merged(lm, tokenizer, path)  # the backbone with its adapters merged
-    else:
+    elif lm is not None:
         lm.save_pretrained(path)
         tokenizer.save_pretrained(path)
-    torch.save(head.state_dict(), path / "value_head.pt")
+    torch.save(head if isinstance(head, dict) else head.state_dict(), path / "value_head.pt")
     (path / MARKER).write_text(json.dumps({"kind": "agentrl reward model", "base": base,
                                            "score": "value head at the last token"}, indent=2))
 

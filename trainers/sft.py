@@ -174,8 +174,21 @@ def _trajectory_data(cfg: SFTConfig) -> OfflineData[Any]:
 class SFTTrainer(OfflineTrainer):
     kind = "sft"
 
-    def __init__(self, cfg: SFTConfig, data: OfflineData[Any], tokenizer: Any) -> None:
-        super().__init__(cfg, data.train, data.eval, tokenizer)
+    def __init__(self, cfg: SFTConfig, data: OfflineData[Any], tokenizer: Any,
+                 **dist: Any) -> None:
+        super().__init__(cfg, data.train, data.eval, tokenizer, **dist)
+
+    def _batch(self, items: list[Any], size: int | None = None) -> tuple[Any, float]:
+        """This rank's share of `items` (padded to `size`) as a batch whose padding repeats
+        count no tokens, and the number of target tokens over all ranks."""
+        import torch
+
+        from agentrl.backends.distributed import all_sum
+
+        mine, weights = self.shard(items, size)
+        batch = self.batch(mine)
+        batch.mask *= torch.tensor(weights, device=batch.mask.device)[:, None]
+        return batch, all_sum([float(batch.mask.sum())])[0]
 
     def _micro_batches(self, batch: Any) -> Any:
         from trainers.batch import length_sorted
@@ -187,10 +200,10 @@ class SFTTrainer(OfflineTrainer):
         import time
 
         from agentrl.algorithms.preference import sft_loss
+        from agentrl.backends.distributed import all_sum
 
         t0 = time.perf_counter()
-        batch = self.batch(items)
-        num_tokens = float(batch.mask.sum())
+        batch, num_tokens = self._batch(items, self.per_rank)
 
         def loss_fn(module: Any, rows: Any) -> tuple[Any, dict[str, float]]:
             idx, n = rows
@@ -202,24 +215,29 @@ class SFTTrainer(OfflineTrainer):
         for rows in self._micro_batches(batch):
             total += self.backend.forward_backward(rows, loss_fn)["loss"]
         stats = self.backend.optimizer_step()
-        return {"loss": total, "tokens": num_tokens, "sequences": float(batch.size),
-                "epoch": float(self.epoch), "time_step": time.perf_counter() - t0, **stats}
+        return {"loss": all_sum([total])[0], "tokens": num_tokens,
+                "sequences": float(len(items)), "epoch": float(self.epoch),
+                "time_step": time.perf_counter() - t0, **stats}
 
     def evaluate(self) -> dict[str, float]:
         """Mean negative log-likelihood per target token of the held-out split."""
         import torch
 
+        from agentrl.backends.distributed import all_sum
+
         if not self.held:
             return {}
-        nll = count = 0.0
+        nll = 0.0
+        count = 0.0
         with torch.no_grad():
             for i in range(0, len(self.held), self.cfg.batch_size):
-                batch = self.batch(self.held[i : i + self.cfg.batch_size])
+                batch, _ = self._batch(self.held[i : i + self.cfg.batch_size])
                 for rows in self._micro_batches(batch):
                     idx, n = rows
                     mask = batch.mask[idx, : n - 1]
                     nll -= float((self.logprobs(self.backend.module, batch, rows) * mask).sum())
                     count += float(mask.sum())
+        nll, count = all_sum([nll, count])
         return {"loss": nll / max(count, 1.0)}
 
 
