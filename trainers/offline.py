@@ -447,8 +447,7 @@ class RankGroup:
         actors: list[Any] = [
             ray.remote(_Rank).options(**opts).remote(make, cfg, data, tokenizer, r, addr)
             for r in range(cfg.num_workers)]
-        return cls(actors, int(ray.get(actors[0].call.remote("__getattribute__",
-                                                                 "total_steps"))))
+        return cls(actors, int(ray.get(actors[0].attr.remote("total_steps"))))
 
     def _all(self, method: str, *args: Any) -> Any:
         import ray
@@ -457,7 +456,9 @@ class RankGroup:
 
     def restore(self, path: Path) -> None:
         self._all("restore", path)
-        self.step = self._all("__getattribute__", "step")
+        import ray
+
+        self.step = int(ray.get(self.actors[0].attr.remote("step")))
 
     def advance(self) -> dict[str, float]:
         metrics = self._all("advance")
@@ -487,9 +488,10 @@ class _Rank:
         self.trainer = make(cfg, data, tokenizer, rank=rank, dist_addr=addr)
 
     def call(self, method: str, *args: Any) -> Any:
-        if method == "__getattribute__":
-            return getattr(self.trainer, args[0])
         return getattr(self.trainer, method)(*args)
+
+    def attr(self, name: str) -> Any:
+        return getattr(self.trainer, name)
 
 
 def cli_main(config_cls: type[C], run: Callable[[C], dict[str, Any]], prog: str,

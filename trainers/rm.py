@@ -112,9 +112,6 @@ class RMTrainer(PairTrainer):
         save_reward_model(None, head, self.tokenizer, path.parent / "reward_model",
                           base=self.cfg.actor.model)
 
-    def full_weights(self) -> dict[str, Any] | None:
-        return dict(self.backend.full_weights()) if self.world > 1 else None
-
 
 def save_reward_model(lm: Any, head: torch.nn.Module | dict[str, Any], tokenizer: Any,
                       path: Path, *, base: str) -> None:

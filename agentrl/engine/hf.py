@@ -60,8 +60,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DecodeStep = Callable[..., "torch.Tensor | None"]
 T = TypeVar("T")
+DecodeStep = Callable[..., "torch.Tensor | None"]
 """`(model, ids_B, pos_B, cache, mask_B_T, *, counters) -> next-token logits [B, V] | None`."""
 
 _MIN_SHARED_TOKENS_SAVED = 128
@@ -477,21 +477,19 @@ class TransformersEngine:
 
     def _reencode_running(self) -> None:
         """The running samples' KV cache, computed again by the weights just loaded (caller
-        holds the step lock): each continues as if its prompt and tokens so far had been
-        prefilled by the new version, which samples (and scores) all its next tokens."""
+        holds the step lock, under no_grad): each continues as if its prompt and tokens so far
+        had been prefilled by the new version, which samples (and scores) all its next tokens."""
         live = sorted((r for r in self._rows if not r.done), key=lambda r: r.length)
         self._batch, self._rows = None, []
-        with torch.no_grad():
-            for chunk in _chunks(live, lambda r: r.length, self.max_prefill_tokens):
-                fed = [r.tokens[: r.length - len(r.request.prompt)] for r in chunk]
-                cache, _ = self._prefill_ids(
-                    [r.request.prompt + f for r, f in zip(chunk, fed, strict=True)],
-                    [list(r.request.key) + f for r, f in zip(chunk, fed, strict=True)],
-                    [r.request.vision for r in chunk],
-                )
-                self._batch = cache if self._batch is None else BatchCache.concat(
-                    [self._batch, cache])
-                self._rows = self._rows + chunk
+        for chunk in _chunks(live, lambda r: r.length, self.max_prefill_tokens):
+            fed = [r.tokens[: r.length - len(r.request.prompt)] for r in chunk]
+            cache, _ = self._prefill_ids(
+                [r.request.prompt + f for r, f in zip(chunk, fed, strict=True)],
+                [list(r.request.key) + f for r, f in zip(chunk, fed, strict=True)],
+                [r.request.vision for r in chunk],
+            )
+            self._batch = cache if self._batch is None else BatchCache.concat([self._batch, cache])
+            self._rows = self._rows + chunk
         for r in live:
             r.switch_version(self._version)
         self.counters["reencoded_samples"] += len(live)

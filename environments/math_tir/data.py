@@ -107,9 +107,7 @@ def normalize_tasks(tasks: str | Sequence[str] | Mapping[str, float]) -> dict[st
     import reasoning_gym  # noqa: F401
     from reasoning_gym.factory import DATASETS
 
-    if isinstance(tasks, str):
-        tasks = [t.strip() for t in tasks.split(",") if t.strip()]
-    weights = dict(tasks) if isinstance(tasks, Mapping) else {t: 1.0 for t in tasks}
+    weights = _weights(tasks)
     if not weights:
         raise ValueError("tasks must name at least one reasoning-gym task, e.g. 'gsm_symbolic'")
     for name, w in weights.items():
@@ -120,16 +118,13 @@ def normalize_tasks(tasks: str | Sequence[str] | Mapping[str, float]) -> dict[st
                 f"unknown reasoning-gym task {name!r}.{did_you_mean} Tasks with tuned "
                 f"difficulty presets: {sorted(TASK_PRESETS['easy'])} and gsm_symbolic"
             )
-        if not isinstance(w, int | float) or isinstance(w, bool) or w <= 0:
-            raise ValueError(f"task weight for {name!r} must be a positive number, got {w!r}")
+        _check_weight(w, f"task weight for {name!r}")
     return {k: float(v) for k, v in weights.items()}
 
 
 def normalize_difficulty(difficulty: str | Sequence[str] | Mapping[str, float]) -> dict[str, float]:
     """"medium" / "easy,medium" / {"easy": 1, "medium": 3} -> {difficulty: weight}."""
-    if isinstance(difficulty, str):
-        difficulty = [d.strip() for d in difficulty.split(",") if d.strip()]
-    weights = dict(difficulty) if isinstance(difficulty, Mapping) else {d: 1.0 for d in difficulty}
+    weights = _weights(difficulty)
     if not weights:
         raise ValueError(f"difficulty must name one of {DIFFICULTIES} (or a mix such as "
                          f"'easy,medium' or {{'easy': 1, 'medium': 3}})")
@@ -137,10 +132,20 @@ def normalize_difficulty(difficulty: str | Sequence[str] | Mapping[str, float]) 
         if name not in DIFFICULTIES:
             raise ValueError(f"difficulty must be one of {DIFFICULTIES} (or a mix such as "
                              f"'easy,medium'), got {name!r}")
-        if not isinstance(w, int | float) or isinstance(w, bool) or w <= 0:
-            raise ValueError(f"difficulty weight for {name!r} must be a positive number, "
-                             f"got {w!r}")
+        _check_weight(w, f"difficulty weight for {name!r}")
     return {k: float(v) for k, v in weights.items()}
+
+
+def _weights(spec: str | Sequence[str] | Mapping[str, float]) -> dict[str, float]:
+    """"a,b" / ["a", "b"] (weight 1 each) / {"a": 3, "b": 1} as {name: weight}, unchecked."""
+    if isinstance(spec, str):
+        spec = [x.strip() for x in spec.split(",") if x.strip()]
+    return dict(spec) if isinstance(spec, Mapping) else {x: 1.0 for x in spec}
+
+
+def _check_weight(w: object, what: str) -> None:
+    if not isinstance(w, int | float) or isinstance(w, bool) or w <= 0:
+        raise ValueError(f"{what} must be a positive number, got {w!r}")
 
 
 def generate_problems(
