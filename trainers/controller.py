@@ -59,9 +59,11 @@ class _Handle:
     def __init__(self, obj: Any, remote: bool) -> None:
         self.obj, self.remote = obj, remote
 
-    def submit(self, method: str, *args: Any) -> Any:
+    def submit(self, method: str, *args: Any, group: str | None = None) -> Any:
+        """Start `method`; on an actor, in its concurrency `group` if one is named."""
         if self.remote:
-            return getattr(self.obj, method).remote(*args)
+            call = getattr(self.obj, method)
+            return (call.options(concurrency_group=group) if group else call).remote(*args)
         return getattr(self.obj, method)(*args)
 
     def result(self, future: Any) -> Any:
@@ -76,8 +78,8 @@ class _Handle:
         except ray.exceptions.RayActorError as e:
             raise TrainingError(f"a Ray worker died: {e}") from e
 
-    def call(self, method: str, *args: Any) -> Any:
-        return self.result(self.submit(method, *args))
+    def call(self, method: str, *args: Any, group: str | None = None) -> Any:
+        return self.result(self.submit(method, *args, group=group))
 
 
 class _Group:
@@ -155,7 +157,7 @@ class Trainer:
     # ------------------------------------------------------------------ set-up
     def _start_workers(self) -> None:
         from trainers.policy import PolicyWorker
-        from trainers.sampling import RolloutWorker
+        from trainers.sampling import WEIGHTS_GROUP, RolloutWorker
         from trainers.weight_sync import engine_weight_transfer, weight_sync_plan
 
         cfg = self.cfg
@@ -204,12 +206,13 @@ class Trainer:
                 # between its engine and theirs.
                 extra = [ray.remote(EngineWorker).options(**opts).remote(cfg)
                          for opts in rollout_opts[1:]]
-                # Two threads: a weight update (or broadcast step) runs while an async batch is
-                # still being collected, and its requests continue on the new weights (partial
-                # rollout) instead of the update waiting for the longest of them.
-                worker = ray.remote(RolloutWorker).options(
-                    **rollout_opts[0], max_concurrency=2,
-                ).remote(cfg, engine_weight_transfer(self.weight_sync), extra, rollout_opts[1:])
+                # A weight update (or broadcast step) runs in its own concurrency group, while an
+                # async batch is still being collected: its requests go on with the new weights
+                # (partial rollout) instead of the update waiting for the longest of them.
+                # (Ray's type stubs lack `concurrency_groups`, which only `ray.remote` takes.)
+                remote = ray.remote(concurrency_groups={WEIGHTS_GROUP: 1})  # type: ignore[call-overload]
+                worker = remote(RolloutWorker).options(**rollout_opts[0]).remote(
+                    cfg, engine_weight_transfer(self.weight_sync), extra, rollout_opts[1:])
                 self.engine_actors = extra
                 self.rollout = _Handle(worker, True)
         else:
@@ -496,12 +499,13 @@ class Trainer:
                 1 + self.cfg.rollout.tensor_parallel_size,
             )
             return
-        from trainers.sampling import weight_buckets
+        from trainers.sampling import WEIGHTS_GROUP, weight_buckets
 
         weights = self._policy.call("named_weights")
         buckets = list(weight_buckets(weights, self.cfg.rollout.weight_sync_bucket_mb))
         for i, bucket in enumerate(buckets):
-            self.rollout.call("update_weights", bucket, self.step, i == len(buckets) - 1)
+            self.rollout.call("update_weights", bucket, self.step, i == len(buckets) - 1,
+                              group=WEIGHTS_GROUP)
 
     def _evaluate(self, log: MetricsLogger, name: str) -> dict[str, Any]:
         """A held-out eval, logged as `name`/<metric> at this step; its episodes go to

@@ -327,6 +327,12 @@ class RemoteEngine:
         ray.get(self.actor.close.remote())
 
 
+WEIGHTS_GROUP = "weights"
+"""The Ray concurrency group of `RolloutWorker.update_weights` and `weight_transfer`: they run
+beside a `collect` in flight (partial rollout), while collects and evals, in the default group,
+still run one at a time."""
+
+
 class RolloutWorker:
     """Placed mode: an engine with its own copy of the weights, updated by `update_weights` (or,
     made with `weight_transfer`, by the trainer's broadcast: `weight_transfer`). With

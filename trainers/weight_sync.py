@@ -80,7 +80,10 @@ def _caller(rollout: Any) -> Callable[..., Any]:
     if hasattr(method, "remote"):  # a Ray actor handle
         import ray
 
-        return lambda *args: ray.get(method.remote(*args))
+        from trainers.sampling import WEIGHTS_GROUP
+
+        group = method.options(concurrency_group=WEIGHTS_GROUP)
+        return lambda *args: ray.get(group.remote(*args))
     return method
 
 

