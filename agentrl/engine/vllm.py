@@ -30,8 +30,17 @@ What it uses of vLLM:
   top-k/top-p: our default) or "raw_logprobs"; it is fixed per engine, so a request asking for
   the other kind is refused rather than silently answered with the wrong one.
 - Weights: vLLM's own in-place reload, driven in the workers through `collective_rpc`
-  (agentrl/engine/vllm_weights.py). Generation is paused around the update (`mode="wait"`:
-  running requests finish on the old weights, new ones wait).
+  (agentrl/engine/vllm_weights.py).
+- Partial rollout: an update does not wait for running requests. Generation is paused with
+  `pause_generation(mode="keep", clear_cache=True)`: the scheduler stops between two steps and
+  preempts every running request, dropping its KV cache; after the update `resume_generation()`
+  re-encodes each one's prompt and tokens so far with the new weights (vLLM's recompute
+  preemption) and sampling goes on. vLLM labels every step's outputs with the engine's weight
+  version (`update_weight_version`, set to agentrl's version at start and at every update) and
+  a finished `CompletionOutput.weight_versions` holds the spans of tokens each version
+  sampled; a streamed delta reads the same spans as vLLM's output processor records them
+  (`RequestState.weight_version_starts`), so every token carries the version that sampled it
+  and that version's log-prob (`Completion.version_changes`).
 - Broadcast weights (`weight_transfer="nccl"` on GPUs, "gloo" on CPUs): vLLM's own
   weight-transfer API, `weight_transfer_config` and `AsyncLLM.init_weight_transfer_engine` /
   `start_weight_update` / `update_weights` / `finish_weight_update`; a trainer's rank 0 sends
@@ -71,7 +80,13 @@ from agentrl.engine.requests import check_request
 from agentrl.engine.vllm_weights import WORKER_EXTENSION, buckets, with_tied_head
 from agentrl.engine.weight_broadcast import BACKENDS
 from agentrl.models.vision import VisionProcessor, vision_processor_for
-from agentrl.types import Completion, CompletionDelta, SamplingParams
+from agentrl.types import (
+    Completion,
+    CompletionDelta,
+    SamplingParams,
+    expand_versions,
+    shift_version_changes,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -177,6 +192,7 @@ class VLLMEngine:
         self.vocab_size = int(self.llm.model_config.get_vocab_size())
         self._tokenizer: Any = None
         self._vision: VisionProcessor | None = vision_processor_for(args["model"])
+        self._call(self.llm.update_weight_version(str(self._version)))
 
     @property
     def version(self) -> int:
@@ -277,6 +293,7 @@ class VLLMEngine:
 
         version = self._version
         finished = [False] * params.n
+        labels = _Labels(self.llm.output_processor, rid, version)
         try:
             async for out in self.llm.generate(
                 prompt=self._prompt(prompt, images),
@@ -284,7 +301,7 @@ class VLLMEngine:
                 request_id=rid,
             ):
                 deltas = [
-                    _delta(o, params, version)
+                    _delta(o, params, labels.of_delta(o))
                     for o in sorted(out.outputs, key=lambda o: o.index)
                     if o.token_ids or o.finish_reason is not None
                 ]
@@ -337,7 +354,8 @@ class VLLMEngine:
                 for _ in range(params.n)
             ]
         outs = [
-            _completion(o, params, version) for o in sorted(final.outputs, key=lambda o: o.index)
+            _completion(o, params, _spans(o.weight_versions, len(o.token_ids), version))
+            for o in sorted(final.outputs, key=lambda o: o.index)
         ]
         if _greedy_copies(params):
             outs += [copy.deepcopy(outs[0]) for _ in range(params.n - 1)]
@@ -386,7 +404,8 @@ class VLLMEngine:
 
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         """Load the tensors (Hugging Face names, as `state_dict()` gives them) into every worker
-        and switch to `version`; requests running meanwhile finish on the old weights first.
+        and switch to `version`. Running requests are paused where they are and go on with the
+        new weights (partial rollout: see the module docstring).
 
         The tensors are read and packed in the calling thread (a trainer's gathering iterator
         runs where it was made), one bucket of at most `bucket_bytes` per RPC. After a failure
@@ -403,16 +422,19 @@ class VLLMEngine:
                 # After a failed load too: finishing puts back the layers that were not loaded.
                 self._rpc("agentrl_finish_update")
             self._call(self.llm.reset_prefix_cache())  # no cached KV from the old weights
+            # Tokens of the steps after the update are labelled with it (_spans, _Labels).
+            self._call(self.llm.update_weight_version(str(int(version))))
             self._version = int(version)
         finally:
             self._release(paused)
 
     def _hold(self) -> bool:
-        """Stop sampling for a weight update: running requests finish on the old weights, new
-        ones wait. Asleep, generation is paused already (sleep mode: wake the weights, the KV
-        cache stays freed). Returns whether it paused generation (to resume after)."""
+        """Stop sampling for a weight update: running requests stop between two steps, their
+        KV cache dropped, to go on with the new weights; new ones wait. Asleep, generation is
+        paused already (sleep mode: wake the weights, the KV cache stays freed). Returns
+        whether it paused generation (to resume after)."""
         if not self._asleep:
-            self._call(self.llm.pause_generation(mode="wait", clear_cache=True))
+            self._call(self.llm.pause_generation(mode="keep", clear_cache=True))
             return True
         if self._sleep_mode:
             self._call(self.llm.wake_up(tags=["weights"]))
@@ -471,8 +493,9 @@ class VLLMEngine:
             raise
 
     def finish_weight_transfer(self, version: int) -> None:
-        """`AsyncLLM.finish_weight_update` (vLLM's weight version too), drop the prefix cache
-        of the old weights, switch to `version` and resume sampling."""
+        """`AsyncLLM.finish_weight_update` (vLLM's weight version too, which labels the tokens
+        sampled from now on), drop the prefix cache of the old weights, switch to `version` and
+        resume sampling."""
         if self._transfer is None:
             raise RuntimeError("finish_weight_transfer needs start_weight_transfer first")
         paused, self._transfer = self._transfer, None
@@ -584,19 +607,86 @@ def _finish(out: Any) -> Any:
     return out.finish_reason if out.finish_reason in ("stop", "length", "abort") else "abort"
 
 
-def _completion(out: Any, params: SamplingParams, version: int) -> Completion:
+Versions = tuple[int, list[tuple[int, int]]]
+"""The version of a completion's first token and its changes, as `Completion` holds them."""
+
+
+def _spans(spans: Sequence[Any] | None, n: int, default: int) -> Versions:
+    """vLLM's `WeightVersionSpan`s of a finished output (token ranges each weight version
+    sampled) as agentrl's first version and changes; `default` where vLLM has no labels."""
+    return _versions([(s.version, s.start) for s in spans or ()], n, default)
+
+
+def _versions(starts: Sequence[tuple[str, int]], n: int, default: int) -> Versions:
+    """(label, first token index) pairs, in order, as (first version, changes) over n tokens.
+    Labels are agentrl's versions as strings (`update_weight_version`); a label that is not
+    (another client's) leaves the tokens with the version before it."""
+    first, changes = default, list[tuple[int, int]]()
+    for label, start in starts:
+        try:
+            v = int(label)
+        except ValueError:
+            continue
+        if start <= 0:
+            first, changes = v, []
+        elif start < n and v != (changes[-1][1] if changes else first):
+            changes.append((start, v))
+    return first, changes
+
+
+class _Labels:
+    """Per-token versions of a streamed request's choices, read from vLLM's output processor
+    as each delta arrives: the state of a choice holds `weight_version_starts`, the (label,
+    token index) where each version began. Read on the vLLM loop right after the delta is
+    taken, so the state covers at least the delta's tokens (a state vLLM has removed belongs to
+    a finished choice, whose output carries the spans itself)."""
+
+    def __init__(self, processor: Any, request_id: str, version: int) -> None:
+        self._processor = processor
+        self._rid = request_id
+        self._seen: dict[int, int] = {}
+        self._last: dict[int, int] = {}
+        self._default = version
+
+    def of_delta(self, out: Any) -> Versions:
+        """The versions of `out`'s new tokens (a DELTA `CompletionOutput`)."""
+        index, k = int(out.index), len(out.token_ids)
+        start = self._seen.get(index, 0)
+        end = start + k
+        last = self._last.get(index, self._default)
+        if out.weight_versions is not None:
+            first, changes = _spans(out.weight_versions, end, last)
+        else:
+            first, changes = _versions(self._starts(index), end, last)
+        self._seen[index] = end
+        before, inside = shift_version_changes(changes, start, end)
+        first = first if before is None else before
+        self._last[index] = expand_versions(first, inside, k)[-1] if k else first
+        return first, inside
+
+    def _starts(self, index: int) -> list[tuple[str, int]]:
+        processor = self._processor
+        for internal in processor.external_req_ids.get(self._rid, ()):
+            state = processor.request_states.get(internal)
+            if state is not None and state.request_index == index:
+                return list(state.weight_version_starts)
+        return []
+
+
+def _completion(out: Any, params: SamplingParams, versions: Versions) -> Completion:
     ids, lps, top = _tokens(out, params)
     return Completion(
         token_ids=ids,
         logprobs=lps,
         finish_reason=_finish(out) or "abort",
-        policy_version=version,
+        policy_version=versions[0],
         stop_reason=out.stop_reason,
         top_logprobs=top,
+        version_changes=versions[1],
     )
 
 
-def _delta(out: Any, params: SamplingParams, version: int) -> CompletionDelta:
+def _delta(out: Any, params: SamplingParams, versions: Versions) -> CompletionDelta:
     ids, lps, top = _tokens(out, params)
     finish = _finish(out)
     return CompletionDelta(
@@ -605,6 +695,7 @@ def _delta(out: Any, params: SamplingParams, version: int) -> CompletionDelta:
         logprobs=lps,
         top_logprobs=top,
         finish_reason=finish,
-        policy_version=version,
+        policy_version=versions[0],
         stop_reason=out.stop_reason if finish is not None else None,
+        version_changes=tuple(versions[1]),
     )

@@ -9,7 +9,15 @@ its docs:
   then offloads the weights and frees the KV cache (sleeping tags "weights", "kv_cache");
   `wake_up(tags)` wakes the given tags (all if None) and resumes scheduling only once nothing
   sleeps (vllm/v1/engine/core.py `EngineCore.sleep` / `wake_up`). Requests added while paused
-  wait; `pause_generation(mode="wait")` lets running requests finish first.
+  wait; `pause_generation(mode="wait")` lets running requests finish first, `mode="keep"`
+  freezes them between two steps until `resume_generation()`.
+- Weight versions (vllm/v1/engine/core.py `_attach_weight_version`, output_processor.py
+  `RequestState.track_weight_version`): each step's tokens are labelled with the engine's
+  `weight_version` ("default" until `update_weight_version` or `finish_weight_update` sets
+  it); the request's state in `output_processor.request_states` (keyed by internal id, listed
+  under the request id in `output_processor.external_req_ids`) keeps `weight_version_starts`,
+  (label, index of the first token it sampled), and a finished `CompletionOutput` carries
+  `weight_versions`, the spans `WeightVersionSpan(version, start, end)`.
 - `collective_rpc` arguments reach the worker through msgpack: tuples become lists and an
   untyped tensor becomes `[dtype, shape, buffer index]` (vllm/v1/serial_utils.py).
 - `SamplingParams` refuses n > 1 with greedy sampling; `get_tokenizer()` is synchronous.
@@ -98,12 +106,26 @@ class Logprob:
 
 
 @dataclass
+class WeightVersionSpan:
+    version: str
+    start: int
+    end: int
+
+
+@dataclass
 class CompletionOutput:
     index: int
     token_ids: list[int]
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    weight_versions: list[WeightVersionSpan] | None = None
+
+
+@dataclass
+class _RequestState:
+    request_index: int
+    weight_version_starts: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -394,6 +416,7 @@ class AsyncLLM:
         self.unpaused = asyncio.Event()
         self.unpaused.set()
         self.running: dict[str, bool] = {}  # request id -> aborted
+        self.output_processor = types.SimpleNamespace(external_req_ids={}, request_states={})
         self.calls: list[str] = []
         self.prompts: list[dict] = []  # every prompt generate() got (a TokensPrompt dict)
         AsyncLLM.instances.append(self)
@@ -419,14 +442,24 @@ class AsyncLLM:
         self.prompts.append(prompt)
         self.running[request_id] = False
         out = CompletionOutput(0, [], [] if sp.logprobs is not None else None)
+        state = _RequestState(request_index=0)
+        processor = self.output_processor
+        processor.external_req_ids[request_id] = [request_id]
+        processor.request_states[request_id] = state
         last, sent = prompt["prompt_token_ids"][-1], 0
         try:
             for _ in range(sp.max_tokens):
                 await asyncio.sleep(0.001)
+                # mode="keep" freezes running requests here (an abort still ends them).
+                while not self.unpaused.is_set() and not self.running[request_id]:
+                    await asyncio.sleep(0.001)
                 if self.running[request_id]:
                     out.finish_reason = "abort"
                     break
                 last = (last + self.model.w) % VOCAB
+                starts = state.weight_version_starts
+                if not starts or starts[-1][0] != self.weight_version:
+                    starts.append((self.weight_version, len(out.token_ids)))
                 out.token_ids.append(last)
                 if out.logprobs is not None:
                     out.logprobs.append({last: Logprob(-0.5 * self.model.w, 1)})
@@ -435,9 +468,17 @@ class AsyncLLM:
                     sent = len(out.token_ids)
             else:
                 out.finish_reason = "length"
+            del processor.request_states[request_id], processor.external_req_ids[request_id]
+            ends = [start for _, start in state.weight_version_starts[1:]] + [len(out.token_ids)]
+            out.weight_versions = [
+                WeightVersionSpan(v, start, end)
+                for (v, start), end in zip(state.weight_version_starts, ends, strict=True)
+            ]
             yield RequestOutput(request_id, [_since(out, sent)], True)
         finally:
             del self.running[request_id]
+            processor.request_states.pop(request_id, None)
+            processor.external_req_ids.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self.running:
@@ -449,6 +490,8 @@ class AsyncLLM:
         if mode == "abort":
             for rid in self.running:
                 self.running[rid] = True
+        if mode == "keep":
+            return
         while self.running:
             await asyncio.sleep(0.001)
 
@@ -493,8 +536,11 @@ class AsyncLLM:
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
         await self.collective_rpc("finish_weight_update")
         if weight_version is not None:
-            self.calls.append(f"weight_version:{weight_version}")
-            self.weight_version = weight_version
+            await self.update_weight_version(weight_version)
+
+    async def update_weight_version(self, new_version: str) -> None:
+        self.calls.append(f"weight_version:{new_version}")
+        self.weight_version = new_version
 
     def get_tokenizer(self) -> str:
         return "fake-tokenizer"
@@ -509,6 +555,7 @@ def _since(out: CompletionOutput, sent: int) -> CompletionOutput:
         out.token_ids[sent:],
         out.logprobs[sent:] if out.logprobs is not None else None,
         out.finish_reason,
+        weight_versions=out.weight_versions,
     )
 
 

@@ -13,7 +13,7 @@ import torch
 
 from agentrl.engine import create_engine
 from agentrl.engine.weight_broadcast import WeightBroadcaster, receive_step
-from agentrl.types import SamplingParams
+from agentrl.types import SamplingParams, expand_versions
 
 from . import fake_vllm
 
@@ -47,33 +47,60 @@ async def test_sleep_mode_aborts_offloads_and_holds_requests_until_wake(engine):
     engine.wake()
     [c] = await waiting
     assert c.token_ids == [2, 3] and not llm().sleeping_tags
-    assert llm().calls == ["sleep:1", "pause:abort", "wake_up:all"]
+    # The engine labels vLLM's weights with its version at start (vLLM's own: "default").
+    assert llm().calls == ["weight_version:0", "sleep:1", "pause:abort", "wake_up:all"]
 
 
 async def test_update_while_asleep_wakes_only_the_weights(engine):
     engine.sleep()
     engine.update_weights({"w": torch.tensor(3)}, version=4)
     assert llm().sleeping_tags == {"kv_cache"}  # the KV cache stays freed until wake()
-    assert llm().calls[1:] == [
+    assert llm().calls[2:] == [
         "pause:abort",
         "wake_up:weights",
         "agentrl_start_update",
         "agentrl_load_weights",
         "agentrl_finish_update",
+        "weight_version:4",
     ]
     engine.wake()
     [c] = await engine.generate([5], SamplingParams(max_tokens=2))
     assert c.token_ids == [8, 11] and c.policy_version == 4 == engine.version
 
 
-async def test_update_while_awake_lets_running_requests_finish_first(engine):
-    running = asyncio.create_task(engine.generate([1], SamplingParams(max_tokens=20)))
-    await asyncio.sleep(0.005)
+async def test_update_while_awake_is_a_partial_rollout(engine):
+    """Running requests stop between two steps (pause mode "keep"), go on with the new weights,
+    and each token keeps the version vLLM labelled it with, streamed or not."""
+    params = SamplingParams(max_tokens=40, logprobs=True)
+    running = asyncio.create_task(engine.generate([1], params))
+
+    async def stream() -> list:
+        return [d async for d in engine.generate_stream([1], params)]
+
+    streamed = asyncio.create_task(stream())
+    while len(llm().running) < 2 or not all(
+        s.weight_version_starts for s in llm().output_processor.request_states.values()
+    ):
+        await asyncio.sleep(0.001)
     await asyncio.to_thread(engine.update_weights, {"w": torch.tensor(2)}, 1)
-    [old] = await running
-    assert old.finish_reason == "length" and old.policy_version == 0
-    assert old.token_ids == list(range(2, 22))  # every token from the old weights
-    assert llm().calls[0] == "pause:wait" and llm().calls[-1] == "resume"
+    [c] = await running
+    deltas = await streamed
+    assert c.finish_reason == "length" and len(c.token_ids) == 40
+    [(switch, version)] = c.version_changes
+    assert c.policy_version == 0 and version == 1 and 0 < switch < 40
+    # w = 1 steps by 1 with logprob -0.5 before the switch, w = 2 by 2 with -1.0 after it.
+    assert c.token_ids[:switch] == list(range(2, 2 + switch))
+    steps = [b - a for a, b in zip(c.token_ids[switch - 1 :], c.token_ids[switch:])]
+    assert set(steps) == {2} and c.token_versions() == [0] * switch + [1] * (40 - switch)
+    assert c.logprobs == [-0.5] * switch + [-1.0] * (40 - switch)
+    # Streamed: each delta's versions, concatenated, are the tokens' own.
+    versions = [
+        v for d in deltas for v in expand_versions(d.policy_version, d.version_changes,
+                                                   len(d.token_ids))
+    ]
+    lps = [lp for d in deltas for lp in d.logprobs]
+    assert versions == [0 if lp == -0.5 else 1 for lp in lps] and {0, 1} <= set(versions)
+    assert llm().calls[1] == "pause:keep" and llm().calls[-2:] == ["weight_version:1", "resume"]
 
 
 def test_missing_vllm_says_how_to_install(monkeypatch):
@@ -115,11 +142,11 @@ async def test_broadcast_runs_vllms_weight_transfer_in_every_tp_worker(make_engi
     info = transfers[0].init_info
     assert (info.rank_offset, info.world_size, info.packed) == (1, 3, False)
     assert info.master_address == "127.0.0.1" and info.master_port > 0
-    assert llm().calls == ["init_weight_transfer_engine"]
+    assert llm().calls == ["weight_version:0", "init_weight_transfer_engine"]
 
     sender.send([("w", torch.tensor(3))], version=5)
-    assert llm().calls[1:] == [
-        "pause:wait",
+    assert llm().calls[2:] == [
+        "pause:keep",
         "start_weight_update",
         "update_weights",
         "finish_weight_update",

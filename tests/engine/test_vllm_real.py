@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import importlib.util
 import json
 import os
@@ -22,7 +23,8 @@ from agentrl.engine import create_engine
 from agentrl.engine.sampling import processed_logprobs
 from agentrl.models.tiny import tiny_model
 from agentrl.rollout import collect_sync
-from agentrl.types import SamplingParams
+from agentrl.types import CompletionDelta, SamplingParams
+from servers.generation import Accumulator
 
 pytestmark = [
     pytest.mark.vllm,
@@ -216,6 +218,71 @@ async def test_update_weights_then_logprobs_follow_the_new_weights(engine, model
         assert err < TOL
     finally:
         engine.bucket_bytes = 256 << 20
+
+
+def _check_versions(c, prompt, params: SamplingParams, models: dict) -> None:
+    """Each token of `c` has the log-prob of the model of its version, given everything before
+    it; the tokens of the last version score otherwise under the first one (so the check
+    tells them apart). Versions only go up."""
+    versions = c.token_versions()
+    assert versions == sorted(versions) and set(versions) <= set(models)
+    ids = list(prompt) + c.token_ids
+    for v, m in models.items():
+        where = [len(prompt) + i for i, tv in enumerate(versions) if tv == v]
+        if where:
+            ref = _reference(m, ids, where, params)
+            got = [c.logprobs[i - len(prompt)] for i in where]
+            assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) < TOL
+    first, last = min(models), max(models)
+    after = [len(prompt) + i for i, tv in enumerate(versions) if tv == last]
+    if after:
+        old = _reference(models[first], ids, after, params)
+        assert max(abs(c.logprobs[i - len(prompt)] - o) for i, o in zip(after, old)) > 0.1
+
+
+async def test_an_update_mid_request_is_a_partial_rollout(engine, model, tiny_tokenizer):
+    """Requests running at an update go on with the new weights (vLLM's pause mode "keep"):
+    each token carries the version that sampled it and that version's log-prob, given
+    everything before it, streamed or not."""
+    prompt = tiny_tokenizer.encode("hello world")
+    params = SamplingParams(temperature=1.0, max_tokens=64, n=2, seed=11, logprobs=True)
+    new = _perturbed(model, seed=1)
+    start = engine.version
+    processor = engine.llm.output_processor
+    deltas: list[CompletionDelta] = []
+
+    async def stream() -> None:
+        async for d in engine.generate_stream(prompt, dataclasses.replace(params, seed=12)):
+            deltas.append(d)
+
+    sampled = asyncio.create_task(engine.generate(prompt, params))
+    streamed = asyncio.create_task(stream())
+
+    def counts() -> list[int]:
+        states = list(processor.request_states.values())
+        return [s.detokenizer.num_output_tokens() for s in states]
+
+    try:
+        while len(counts()) < 4 or min(counts()) < 8:  # both requests, n=2 each
+            await asyncio.sleep(0.002)
+        await asyncio.to_thread(engine.update_weights, new.state_dict(), start + 1)
+        completions = await sampled
+        await streamed
+    finally:
+        engine.update_weights(model.state_dict(), version=start + 2)
+    for i in range(2):
+        acc = Accumulator()  # the proxy's: a streamed choice back into a Completion
+        for d in deltas:
+            if d.index == i:
+                acc.add(d)
+        completions.append(acc.completion())
+    switched = 0
+    for c in completions:
+        versions = c.token_versions()
+        assert versions[:8] == [start] * 8
+        switched += versions[-1] == start + 1
+        _check_versions(c, prompt, params, {start: model, start + 1: new})
+    assert switched >= 3  # at most one of the four ran out of tokens before the update
 
 
 async def test_sleep_aborts_running_requests_and_holds_new_ones_until_wake(engine, tiny_tokenizer):
