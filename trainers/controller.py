@@ -204,7 +204,8 @@ class Trainer:
 
                 # Engines past the first live in actors of their own; the rollout worker routes
                 # between its engine and theirs.
-                extra = [ray.remote(EngineWorker).options(**opts).remote(cfg)
+                transfer = engine_weight_transfer(self.weight_sync)
+                extra = [ray.remote(EngineWorker).options(**opts).remote(cfg, transfer)
                          for opts in rollout_opts[1:]]
                 # A weight update (or broadcast step) runs in its own concurrency group, while an
                 # async batch is still being collected: its requests go on with the new weights
@@ -212,7 +213,7 @@ class Trainer:
                 # (Ray's type stubs lack `concurrency_groups`, which only `ray.remote` takes.)
                 remote = ray.remote(concurrency_groups={WEIGHTS_GROUP: 1})  # type: ignore[call-overload]
                 worker = remote(RolloutWorker).options(**rollout_opts[0]).remote(
-                    cfg, engine_weight_transfer(self.weight_sync), extra, rollout_opts[1:])
+                    cfg, transfer, extra, rollout_opts[1:])
                 self.engine_actors = extra
                 self.rollout = _Handle(worker, True)
         else:
@@ -493,11 +494,9 @@ class Trainer:
         if self.rollout is None or self.rollout is self.policy:
             return  # replay, or colocated: the engine already samples from the trained module
         if self.weight_sync == "nccl":
-            # GPU to GPU: trainer rank 0 broadcasts into the engine's workers.
+            # GPU to GPU: trainer rank 0 broadcasts into the workers of every engine.
             self.policy.call(  # type: ignore[union-attr]
-                "broadcast_weights", self.rollout.obj, self.step,
-                1 + self.cfg.rollout.tensor_parallel_size,
-            )
+                "broadcast_weights", self.rollout.obj, self.step)
             return
         from trainers.sampling import WEIGHTS_GROUP, weight_buckets
 

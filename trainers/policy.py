@@ -314,12 +314,9 @@ class PolicyWorker:
             return merged_weights(self.model)
         return dict(self.policy.full_weights())
 
-    def broadcast_weights(
-        self, rollout: Any, version: int, world_size: int, backend: str = "nccl"
-    ) -> None:
+    def broadcast_weights(self, rollout: Any, version: int, backend: str = "nccl") -> None:
         """Placed mode on GPUs: every rank gathers the full weights (a collective when sharded),
-        rank 0 broadcasts them into the rollout worker's engine (trainers/weight_sync.py).
-        `world_size`: 1 + the engine's workers."""
+        rank 0 broadcasts them into the rollout worker's engines (trainers/weight_sync.py)."""
         weights = iter(self.named_weights().items()) if self.lora else self.policy.full_weights()
         if self.rank != 0:
             for _ in weights:
@@ -329,7 +326,7 @@ class PolicyWorker:
             from trainers.weight_sync import BroadcastSync
 
             tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
-            self._broadcast = BroadcastSync(backend, world_size, tied)
+            self._broadcast = BroadcastSync(backend, tied)
         self._broadcast.send(rollout, weights, version)
 
     def export_hf(self, path: str) -> None:

@@ -66,7 +66,9 @@ def engine_devices(num_engines: int, device: str, *, gpus: int, engine: str = "t
 class EngineRouter:
     def __init__(self, engines: Sequence[Any], *, max_conversations: int = 1 << 16,
                  restart: Callable[[int], Any] | None = None) -> None:
-        """`restart(i)`: a new engine to replace engine `i`, which died (called in a thread)."""
+        """`restart(i)`: a new engine to replace engine `i`, which died (called in a thread);
+        or None when the new engine cannot hold the current weights yet (a broadcast sync
+        brings them): its owner hands it over with `readmit` once they have reached it."""
         if not engines:
             raise ValueError("a router needs at least one engine")
         self.engines = list(engines)
@@ -147,12 +149,22 @@ class EngineRouter:
                     logger.exception("restarting engine %d failed; the run goes on without it",
                                      i)
                     return
-                self.engines[i] = fresh
-                self.outstanding[i] = 0
-                self.alive[i] = True
-                self.restarts += 1
+                if fresh is not None:
+                    self._admit(i, fresh)
 
         threading.Thread(target=replace, name=f"agentrl-restart-engine-{i}", daemon=True).start()
+
+    def readmit(self, i: int, engine: Any) -> None:
+        """Engine `i`'s replacement, which `restart` could not hand over at once, now holds
+        the current weights: calls go to it again."""
+        with self._update_lock:
+            self._admit(i, engine)
+
+    def _admit(self, i: int, engine: Any) -> None:
+        self.engines[i] = engine
+        self.outstanding[i] = 0
+        self.alive[i] = True
+        self.restarts += 1
 
     async def generate_stream(self, prompt_ids: Sequence[int], params: SamplingParams,
                               images: Sequence[Any] | None = None,

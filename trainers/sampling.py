@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -250,10 +251,12 @@ class EngineWorker:
     """One more engine of a placed run (`--rollout.num_engines`), in its own Ray actor: the
     rollout worker's router calls it like a local engine (`RemoteEngine`)."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, weight_transfer: str | None = None) -> None:
+        """`weight_transfer`: the engine also takes broadcast updates (trainers/weight_sync.py)."""
         from agentrl.models import load_tokenizer
 
-        self.model, self.engine = _own_engine(cfg, load_tokenizer(cfg.actor.model))
+        self.model, self.engine = _own_engine(cfg, load_tokenizer(cfg.actor.model),
+                                              weight_transfer)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        images: Any = None) -> list[Any]:
@@ -262,6 +265,12 @@ class EngineWorker:
     def update_weights(self, named: list[tuple[str, torch.Tensor]], version: int) -> int:
         self.engine.update_weights(named, version)
         return version
+
+    def weight_transfer(self, step: str, *args: Any) -> None:
+        """One step of a broadcast update (agentrl.engine.weight_broadcast.RECEIVER_STEPS)."""
+        from agentrl.engine.weight_broadcast import receive_step
+
+        receive_step(self.engine, step, *args)
 
     def info(self) -> tuple[int, int]:
         """(version, max_context)."""
@@ -315,6 +324,19 @@ class RemoteEngine:
     def update_weights(self, named: Any, version: int) -> None:
         self.finish_update(self.start_update(named, version), version)
 
+    def weight_transfer(self, step: str, *args: Any) -> None:
+        """One step of a broadcast update, in the actor (`EngineWorker.weight_transfer`)."""
+        import ray
+
+        from trainers.router import EngineGone
+
+        try:
+            ray.get(self.actor.weight_transfer.remote(step, *args))
+        except ray.exceptions.RayActorError as e:
+            raise EngineGone(f"engine actor died: {e}") from e
+        if step == "finish_weight_transfer":
+            self.version = int(args[0])
+
     def sleep(self) -> None:
         pass
 
@@ -349,14 +371,22 @@ class RolloutWorker:
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.actor.model)
         self.model, engine = _own_engine(cfg, self.tokenizer, weight_transfer)
+        self._transfer = weight_transfer
         self._extra_options = list(extra_options or [{} for _ in extra_engines or ()])
         self._last_weights: list[tuple[str, torch.Tensor]] | None = None
         self._pending: dict[str, torch.Tensor] = {}  # weight-sync buckets of the next version
+        # A broadcast sync: the engines in the current weight group, and engines restarted
+        # since (they join at the next group, and sample once an update has reached them).
+        self._group_lock = threading.Lock()
+        self._group_epoch = 0
+        self._fan: Any = None
+        self._members: list[tuple[int, Any]] = []
+        self._joining: dict[int, Any] = {}
         engines = [engine]
         if extra_engines:
             engines += [RemoteEngine(a) for a in extra_engines]
         elif cfg.rollout.num_engines > 1:  # no Ray: the engines share this process
-            engines += [_own_engine(cfg, self.tokenizer)[1]
+            engines += [_own_engine(cfg, self.tokenizer, weight_transfer)[1]
                         for _ in range(cfg.rollout.num_engines - 1)]
         if len(engines) > 1:
             from trainers.router import EngineRouter
@@ -368,11 +398,22 @@ class RolloutWorker:
 
     def _restart_engine(self, i: int) -> Any:
         """A new EngineWorker in place of engine `i` (a dead actor), with the current weights:
-        this worker's model copy holds them (transformers), or the last update's (vLLM)."""
+        this worker's model copy holds them (transformers), or the last update's (vLLM). Under a
+        broadcast sync this worker never holds the weights: the new engine joins the trainer's
+        next weight group and the router gets it once that update has reached it (None now)."""
         import ray
 
-        actor = ray.remote(EngineWorker).options(**self._extra_options[i - 1]).remote(self.cfg)
+        if self._transfer is not None:
+            with self._group_lock:  # the group spanning the dead engine is over
+                self._group_epoch += 1
+        actor = (ray.remote(EngineWorker).options(**self._extra_options[i - 1])
+                 .remote(self.cfg, self._transfer))
         fresh = RemoteEngine(actor)
+        if self._transfer is not None:
+            with self._group_lock:
+                self._joining[i] = fresh
+                self._group_epoch += 1
+            return None
         version = self.engine.version
         weights = (list(self.model.state_dict().items()) if self.model is not None
                    else self._last_weights)
@@ -396,12 +437,54 @@ class RolloutWorker:
                 self._last_weights = list(pending.items())
         return version
 
-    def weight_transfer(self, step: str, *args: Any) -> None:
-        """One step of a broadcast weight update that the trainer's rank 0 drives
-        (trainers/weight_sync.py; the steps: agentrl.engine.weight_broadcast.RECEIVER_STEPS)."""
-        from agentrl.engine.weight_broadcast import receive_step
+    def weight_group(self) -> tuple[int, int]:
+        """(epoch, size) of the weight group the trainer's broadcast should open: its rank 0
+        and the workers of every live engine and every restarted one. The epoch changes when
+        an engine is restarted; the trainer then opens a new group."""
+        with self._group_lock:
+            return self._group_epoch, 1 + len(self._group_engines()) * self._tp
 
-        receive_step(self.engine, step, *args)
+    @property
+    def _tp(self) -> int:
+        return self.cfg.rollout.tensor_parallel_size
+
+    def _group_engines(self) -> list[tuple[int, Any]]:
+        """(router index, engine) of every engine a new weight group spans (caller holds
+        `_group_lock`)."""
+        from trainers.router import EngineRouter
+
+        if not isinstance(self.engine, EngineRouter):
+            return [(0, self.engine)]
+        router = self.engine
+        return sorted([(i, e) for i, e in enumerate(router.engines) if router.alive[i]]
+                      + list(self._joining.items()), key=lambda ie: ie[0])
+
+    def weight_transfer(self, step: str, *args: Any) -> None:
+        """One step of a broadcast weight update that the trainer's rank 0 drives into every
+        engine at once (trainers/weight_sync.py; the steps:
+        agentrl.engine.weight_broadcast.RECEIVER_STEPS; `FanOut` gives each engine its ranks).
+        Engines restarted since the group opened join it and go back to the router once an
+        update has reached them."""
+        import functools
+
+        from agentrl.engine.weight_broadcast import FanOut, receive_step
+
+        if step == "init_weight_transfer":
+            with self._group_lock:
+                self._members = self._group_engines()
+            calls = [e.weight_transfer if isinstance(e, RemoteEngine)
+                     else functools.partial(receive_step, e) for _, e in self._members]
+            self._fan = FanOut(calls, [self._tp] * len(calls))
+        if self._fan is None:
+            raise RuntimeError(f"{step} before init_weight_transfer")
+        self._fan(step, *args)
+        if step == "finish_weight_transfer":
+            with self._group_lock:
+                joined = {i: e for i, e in self._members if self._joining.get(i) is e}
+                for i in joined:
+                    del self._joining[i]
+            for i, engine in joined.items():
+                self.engine.readmit(i, engine)
 
     def evaluate(self) -> dict[str, Any]:
         return evaluate_engine(self.engine, self.cfg, self.tokenizer)

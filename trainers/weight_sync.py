@@ -7,8 +7,8 @@ config, and trainer rank 0's end of the broadcast sync.
 - placed, on CPUs (or the transformers engine, or no Ray) -> `rpc`: buckets of tensors through
   Ray into `RolloutWorker.update_weights`.
 - placed, vLLM on GPUs under Ray -> `nccl`: trainer rank 0 broadcasts each tensor straight into
-  the engine's workers, GPU to GPU, with vLLM's weight-transfer API
-  (agentrl/engine/weight_broadcast.py).
+  the workers of every engine (`--rollout.num_engines`: one group spans them all), GPU to GPU,
+  with vLLM's weight-transfer API (agentrl/engine/weight_broadcast.py).
 - replaying recorded rollouts, placed -> `none`: no rollout worker.
 
 Without Ray the rollout worker runs in the trainer's process, on the trainer's GPU: NCCL cannot
@@ -39,8 +39,7 @@ def weight_sync_plan(cfg: TrainConfig, gpus: int) -> WeightSync:
         return "none"
     device = cfg.actor.device
     cuda = device.startswith("cuda") or (device == "auto" and gpus > 0)
-    # The broadcast reaches one engine; several get the buckets through Ray.
-    if cuda and cfg.rollout.engine == "vllm" and cfg.use_ray and cfg.rollout.num_engines == 1:
+    if cuda and cfg.rollout.engine == "vllm" and cfg.use_ray:
         return "nccl"
     return "rpc"
 
@@ -51,21 +50,29 @@ def engine_weight_transfer(plan: WeightSync) -> str | None:
 
 
 class BroadcastSync:
-    """Trainer rank 0's end of the broadcast sync with one rollout worker, opened on the first
-    `send` (both ends must be up: the worker's engine joins the group then)."""
+    """Trainer rank 0's end of the broadcast sync with the rollout worker's engines, opened on
+    the first `send` (both ends must be up: the engines join the group then). The rollout
+    worker says how large the group is (`RolloutWorker.weight_group`); when that changes (an
+    engine was restarted) or an earlier send failed, the next send opens a new group."""
 
-    def __init__(self, backend: str, world_size: int, tied: bool) -> None:
-        self.backend, self.world_size, self.tied = backend, world_size, tied
+    def __init__(self, backend: str, tied: bool) -> None:
+        self.backend, self.tied = backend, tied
         self.sender: WeightBroadcaster | None = None
+        self.group: tuple[int, int] | None = None
 
     def send(self, rollout: Any, weights: Iterable[tuple[str, Tensor]], version: int) -> None:
         """`rollout`: the `RolloutWorker` (a Ray actor, or the object itself)."""
         from agentrl.engine.vllm_weights import with_tied_head
         from agentrl.engine.weight_broadcast import WeightBroadcaster
 
+        group = tuple(_caller(rollout, "weight_group")())
+        if self.sender is not None and (self.sender.broken or group != self.group):
+            self.close()
         if self.sender is None:
-            self.sender = WeightBroadcaster(_caller(rollout), backend=self.backend,
-                                            world_size=self.world_size, address=_node_address())
+            self.sender = WeightBroadcaster(_caller(rollout, "weight_transfer"),
+                                            backend=self.backend, world_size=group[1],
+                                            address=_node_address())
+            self.group = (group[0], group[1])
         self.sender.send(with_tied_head(weights, self.tied), version)
 
     def close(self) -> None:
@@ -74,9 +81,10 @@ class BroadcastSync:
             self.sender = None
 
 
-def _caller(rollout: Any) -> Callable[..., Any]:
-    """`call(step, *args)` running `RolloutWorker.weight_transfer` where the worker is."""
-    method = rollout.weight_transfer
+def _caller(rollout: Any, name: str) -> Callable[..., Any]:
+    """`call(*args)` running the `RolloutWorker` method `name` where the worker is (in its
+    weights concurrency group, beside a collect in flight)."""
+    method = getattr(rollout, name)
     if hasattr(method, "remote"):  # a Ray actor handle
         import ray
 

@@ -53,10 +53,10 @@ What it uses of vLLM:
 - On CPU vLLM reads `gpu_memory_utilization` as a fraction of the host's memory and refuses to
   start when that much is not free (the default 0.92 always fails beside a trainer), so the KV
   cache gets a fixed size instead (`kv_cache_bytes`); the model runs in float32 without
-  torch.compile and without chunked prefill unless asked otherwise (`CPU_DEFAULTS`). vLLM's CPU attention takes head sizes
-  32..512 only. vLLM starts its engine core and its worker as spawned processes (~30 s here,
-  mostly importing vLLM in each): a script creating the engine needs an
-  `if __name__ == "__main__":` guard; pytest needs nothing.
+  torch.compile and without chunked prefill unless asked otherwise (`CPU_DEFAULTS`). vLLM's
+  CPU attention takes head sizes 32..512 only. vLLM starts its engine core and its worker as
+  spawned processes (~30 s here, mostly importing vLLM in each): a script creating the engine
+  needs an `if __name__ == "__main__":` guard; pytest needs nothing.
 
 AsyncLLM lives in the event loop that created it, so this engine runs it on its own loop thread
 and `generate` awaits it from any caller loop (the collector, the proxy, `collect_sync`).
@@ -509,6 +509,18 @@ class VLLMEngine:
             self._call(self.llm.finish_weight_update(weight_version=str(version)))
             self._call(self.llm.reset_prefix_cache())
             self._version = int(version)
+        finally:
+            self._release(paused)
+
+    def cancel_weight_transfer(self) -> None:
+        """Give up a started broadcast update (another engine of its group could not start):
+        vLLM's `finish_weight_update` with no version ends its layerwise reload with the layers
+        as they were, then sampling resumes; the version stays."""
+        if self._transfer is None:
+            return
+        paused, self._transfer = self._transfer, None
+        try:
+            self._call(self.llm.finish_weight_update())
         finally:
             self._release(paused)
 

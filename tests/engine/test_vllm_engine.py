@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from agentrl.engine import create_engine
-from agentrl.engine.weight_broadcast import WeightBroadcaster, receive_step
+from agentrl.engine.weight_broadcast import (
+    FanOut,
+    WeightBroadcaster,
+    rank_offsets,
+    receive_step,
+)
 from agentrl.types import SamplingParams, expand_versions
 
 from . import fake_vllm
@@ -194,6 +199,46 @@ async def test_a_failed_broadcast_puts_the_layers_back_and_resumes(make_engine):
     assert c.token_ids == [2]
     with pytest.raises(RuntimeError, match="open a new WeightBroadcaster"):
         sender.send([("w", torch.tensor(9))], version=1)
+
+
+async def test_one_broadcast_group_spans_several_engines(make_engine):
+    """Two tensor-parallel engines as one receiver (FanOut): their workers take ranks 1-2 and
+    3-4 of one group with the trainer's rank 0; each tensor is broadcast once and reaches all
+    four workers; every engine switches to the version."""
+    engines = [make_engine(weight_transfer="nccl", tensor_parallel_size=2) for _ in range(2)]
+    llms = fake_vllm.AsyncLLM.instances[-2:]
+    fan = FanOut([functools.partial(receive_step, e) for e in engines], [2, 2])
+    assert fan.world_size == 5 and rank_offsets([2, 2]) == [1, 3]
+    sender = WeightBroadcaster(fan, backend="nccl", world_size=fan.world_size)
+    ranks = [w.weight_transfer_engine.rank for x in llms for w in x.workers]
+    assert ranks == [1, 2, 3, 4]
+    sender.send([("w", torch.tensor(3))], version=2)
+    assert sender.group.group.sent == [("torch.int64", ())]  # once, not once per engine
+    assert [w.model.w for x in llms for w in x.workers] == [3, 3, 3, 3]
+    for engine in engines:
+        [c] = await engine.generate([5], SamplingParams(max_tokens=1))
+        assert c.token_ids == [8] and c.policy_version == 2 == engine.version
+    with pytest.raises(ValueError, match=r"these engines need 1 \+ 4"):
+        fan("init_weight_transfer", {"master_address": "127.0.0.1", "master_port": 1,
+                                     "rank_offset": 1, "world_size": 3})
+
+
+async def test_an_engine_that_cannot_start_the_update_cancels_it_on_the_others(make_engine):
+    good, bad = make_engine(weight_transfer="nccl"), make_engine(weight_transfer="nccl")
+    good_llm = fake_vllm.AsyncLLM.instances[-2]
+    fan = FanOut([functools.partial(receive_step, e) for e in (good, bad)], [1, 1])
+    sender = WeightBroadcaster(fan, backend="nccl", world_size=3)
+    bad.start_weight_transfer()  # an update already running there: it refuses another
+    with pytest.raises(RuntimeError, match="start_weight_transfer failed on engine 1 of 2"):
+        sender.send([("w", torch.tensor(3))], version=1)
+    assert good_llm.calls[-3:] == ["start_weight_update", "finish_weight_update", "resume"]
+    assert good.version == 0 and good_llm.workers[0].model.w == 1
+    [c] = await good.generate([1], SamplingParams(max_tokens=1))  # sampling again, old weights
+    assert c.token_ids == [2]
+    bad.cancel_weight_transfer()
+    sender.send([("w", torch.tensor(3))], version=1)  # the group still works
+    assert good.version == bad.version == 1
+    assert [x.workers[0].model.w for x in fake_vllm.AsyncLLM.instances[-2:]] == [3, 3]
 
 
 def test_broadcast_needs_an_engine_made_for_it(make_engine):
