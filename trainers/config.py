@@ -107,6 +107,20 @@ class ActorConfig:
             )
 
 
+def check_sharded_4bit(actor: ActorConfig, backend: str, zero_stage: int, flag: str) -> None:
+    """ValueError for QLoRA whose 4-bit base would be sharded over the ranks of `flag`: FSDP2
+    and ZeRO-3 split every weight, and bitsandbytes' packed 4-bit weights (their quantization
+    state kept beside them) cannot be split and gathered back. ZeRO-1 and 2 keep the base whole
+    on each rank and shard only what trains (the adapters' gradients and optimizer state)."""
+    sharded = backend == "fsdp2" or (backend == "deepspeed" and zero_stage == 3)
+    if actor.load_in_4bit and sharded:
+        how = "--backend fsdp2" if backend == "fsdp2" else "--backend deepspeed --zero_stage 3"
+        raise ValueError(f"--actor.load_in_4bit (QLoRA) with {flag} > 1: {how} shards every "
+                         f"weight, and the 4-bit base cannot be sharded; use --backend "
+                         f"deepspeed --zero_stage 2 (the base whole on each rank, the adapters' "
+                         f"gradients and optimizer state sharded) or one worker")
+
+
 @dataclass(frozen=True, kw_only=True)
 class AlgoConfig:
     """Advantages, policy loss, KL, corrections. Names follow OpenRLHF."""
@@ -504,9 +518,9 @@ class TrainConfig:
                 )
         elif self.num_policy_workers != 1:
             raise ValueError("--num_policy_workers > 1 needs --backend fsdp2 or deepspeed")
-        if self.actor.lora_rank and self.num_policy_workers > 1:
-            raise ValueError("--actor.lora_rank trains on one policy worker for now; drop "
-                             "--num_policy_workers (LoRA rarely needs sharding)")
+        if self.num_policy_workers > 1:
+            check_sharded_4bit(self.actor, self.backend, self.zero_stage,
+                               "--num_policy_workers")
         if self.agent and not (self.agent_tasks and (self.agent_reward or self.reward.url)):
             raise ValueError("--agent needs --agent_tasks FILE.jsonl and --agent_reward module:fn "
                              "(or --reward.url, a reward service: `agentrl reward-serve`)")

@@ -12,7 +12,8 @@ examples), each summing over ranks what it normalises by or reports (`all_sum`).
 actors: every rank draws the same batch and takes every N-th example of it (`shard`), padded
 with zero-weight repeats so that all ranks run the same forward/backward passes (the
 collectives of a sharded model need that); losses are normalised by global counts, so N ranks
-make the update of one process. Rank 0 writes the checkpoints and the export.
+make the update of one process. Rank 0 writes the checkpoints and the export; with LoRA every
+rank trains its adapters on the shared (sharded) base, and the export merges the gathered ones.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
-from trainers.config import _DEFER, ActorConfig, deferred_validation
+from trainers.config import _DEFER, ActorConfig, check_sharded_4bit, deferred_validation
 
 C = TypeVar("C", bound="OfflineConfig")
 T = TypeVar("T")
@@ -95,9 +96,7 @@ class OfflineConfig:
                 raise ValueError(f"--num_workers {self.num_workers} trains data-parallel: it "
                                  f"needs --backend {' or '.join(DISTRIBUTED)}, got --backend "
                                  f"{self.backend}")
-            if self.actor.lora_rank:
-                raise ValueError("--actor.lora_rank trains on one worker for now; drop "
-                                 "--num_workers (LoRA rarely needs sharding)")
+            check_sharded_4bit(self.actor, self.backend, self.zero_stage, "--num_workers")
             if self.batch_size < self.num_workers:
                 raise ValueError(f"--batch_size {self.batch_size} gives some of the "
                                  f"{self.num_workers} workers nothing: raise it")
@@ -328,17 +327,12 @@ class OfflineTrainer:
 
     def export_hf(self, path: Path) -> None:
         """A plain Hugging Face directory of the trained model; with LoRA, the adapters too
-        (RUN_DIR/adapter) and `path` holds the merged model."""
-        from agentrl.models.lora import is_lora, save_merged
+        (RUN_DIR/adapter) and `path` holds the merged model. Rank 0 writes them."""
+        from trainers.export import save_trained
 
-        if is_lora(self.model):
-            self.model.save_pretrained(path.parent / "adapter")
-            save_merged(self.model, self.tokenizer, path)
-            return
-        weights = self.full_weights()
+        state = self.full_weights()
         if self.rank == 0:
-            self.model.save_pretrained(path, state_dict=weights)
-            self.tokenizer.save_pretrained(path)
+            save_trained(self.model, self.tokenizer, path, state)
 
     def full_weights(self) -> dict[str, Any] | None:
         """The trained module's full weights when sharded over ranks (a collective; None in
@@ -424,8 +418,9 @@ class RankGroup:
     every call goes to all of them (the collectives inside need every rank) and answers with
     rank 0's result. It offers what `run_offline` uses of a trainer."""
 
-    def __init__(self, actors: list[Any], total_steps: int) -> None:
+    def __init__(self, actors: list[Any], total_steps: int, *, owns_ray: bool) -> None:
         self.actors, self.total_steps, self.step = actors, total_steps, 0
+        self.owns_ray = owns_ray  # whether `start` started (or joined) Ray, for `close` to stop
 
     @classmethod
     def start(cls, cfg: OfflineConfig, make: Callable[..., OfflineTrainer],
@@ -434,6 +429,7 @@ class RankGroup:
 
         from trainers.ray_utils import free_tcp_address, init_ray
 
+        owns_ray = not ray.is_initialized()
         init_ray()
         gpus = int(ray.cluster_resources().get("GPU", 0))
         cuda = gpus > 0 and cfg.actor.device in ("auto", "cuda")
@@ -447,7 +443,8 @@ class RankGroup:
         actors: list[Any] = [
             ray.remote(_Rank).options(**opts).remote(make, cfg, data, tokenizer, r, addr)
             for r in range(cfg.num_workers)]
-        return cls(actors, int(ray.get(actors[0].attr.remote("total_steps"))))
+        total = int(ray.get(actors[0].attr.remote("total_steps")))
+        return cls(actors, total, owns_ray=owns_ray)
 
     def _all(self, method: str, *args: Any) -> Any:
         import ray
@@ -475,9 +472,16 @@ class RankGroup:
         self._all("export_hf", path)
 
     def close(self) -> None:
+        """End the ranks, and Ray if `start` started it (a caller's Ray stays up, its CPUs or
+        GPUs free again)."""
+        import ray
+
         from trainers.ray_utils import shutdown_ray
 
-        shutdown_ray()
+        for actor in self.actors:
+            ray.kill(actor)
+        if self.owns_ray:
+            shutdown_ray()
 
 
 class _Rank:

@@ -33,7 +33,7 @@ from agentrl.backends import (
 )
 from agentrl.backends.device import autocast
 from agentrl.backends.distributed import all_sum
-from agentrl.models.lora import adapters_off, is_lora, load_policy, merged_weights, save_merged
+from agentrl.models.lora import adapters_off, is_lora, load_policy, merged_weights
 from trainers.advantages import batch_advantages
 from trainers.batch import RolloutBatch, add_images, collate, group_sorted, length_sorted
 from trainers.config import TrainConfig
@@ -308,11 +308,11 @@ class PolicyWorker:
         self._sync_engine()
 
     def named_weights(self) -> dict[str, Tensor]:
-        """Full policy weights on every rank (a collective under FSDP2 and ZeRO-3); with LoRA,
-        the merged weights under the plain model's names (what an engine loads)."""
-        if self.lora:
-            return merged_weights(self.model)
-        return dict(self.policy.full_weights())
+        """Full policy weights (a collective under FSDP2 and ZeRO-3, which may leave all but
+        rank 0 empty-handed); with LoRA, the merged weights under the plain model's names (what
+        an engine loads), merged from the gathered adapters and base."""
+        weights = dict(self.policy.full_weights())
+        return merged_weights(self.model, weights) if self.lora else weights
 
     def broadcast_weights(self, rollout: Any, version: int, backend: str = "nccl") -> None:
         """Placed mode on GPUs: every rank gathers the full weights (a collective when sharded),
@@ -330,15 +330,13 @@ class PolicyWorker:
         self._broadcast.send(rollout, weights, version)
 
     def export_hf(self, path: str) -> None:
-        if self.lora:  # the adapters beside the run's hf/, and hf/ the merged model
-            self.model.save_pretrained(str(Path(path).parent / "adapter"))
-            save_merged(self.model, self.tokenizer, path)
-            return
+        """RUN_DIR/hf (and with LoRA RUN_DIR/adapter), written by rank 0."""
+        from trainers.export import save_trained
+
         # Gathering sharded weights is a collective: every rank calls it.
-        weights = self.named_weights() if self.cfg.num_policy_workers > 1 else None
+        state = dict(self.policy.full_weights()) if self.cfg.num_policy_workers > 1 else None
         if self.rank == 0:
-            self.model.save_pretrained(path, state_dict=weights)
-            self.tokenizer.save_pretrained(path)
+            save_trained(self.model, self.tokenizer, Path(path), state)
 
     def node(self) -> str:
         """The Ray node this worker runs on."""

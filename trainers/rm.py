@@ -88,45 +88,50 @@ class RMTrainer(PairTrainer):
         return loss_B, chosen, rejected
 
     def export_hf(self, path: Path) -> None:
-        """The language model (its backbone trained) at `path`, as the policy's export is,
-        and the reward model beside it at RUN_DIR/reward_model."""
+        """The language model (its backbone trained) at `path`, as the policy's export is (with
+        LoRA, merged, and RUN_DIR/adapter), and the reward model beside it at
+        RUN_DIR/reward_model. Rank 0 writes them."""
+        from trainers.export import save_trained
+
         full = self.full_weights()  # the ValueModel's, gathered when sharded over ranks
-        if full is None:
-            super().export_hf(path)
-            save_reward_model(self.model, self.value_model.head, self.tokenizer,
-                              path.parent / "reward_model", base=self.cfg.actor.model)
-            return
         if self.rank != 0:
             return
-        # The backbone is the language model's decoder ("model."); an untied LM head is not
-        # part of the reward model (never trained) and keeps the base's weights.
-        lm = {"model." + k.removeprefix("backbone."): v for k, v in full.items()
-              if k.startswith("backbone.")}
+        state = None if full is None else self._language_model_state(full)
+        save_trained(self.model, self.tokenizer, path, state)
+        head = (self.value_model.head.state_dict() if full is None else
+                {k.removeprefix("head."): v for k, v in full.items() if k.startswith("head.")})
+        save_reward_model(self.model, head, self.tokenizer, path.parent / "reward_model",
+                          base=self.cfg.actor.model, state=state)
+
+    def _language_model_state(self, full: dict[str, Any]) -> dict[str, Any]:
+        """The language model's state dict (its own names, peft's with LoRA) from the gathered
+        ValueModel's: the backbone is the language model's decoder; an untied LM head is not
+        part of the reward model (never trained) and keeps the model's weights."""
+        prefix = next(n for n, m in self.model.named_modules()
+                      if m is self.value_model.backbone) + "."
+        state = {prefix + k.removeprefix("backbone."): v for k, v in full.items()
+                 if k.startswith("backbone.")}
         if not getattr(self.model.config, "tie_word_embeddings", False):
-            lm.update({k: v for k, v in self.model.state_dict().items()
-                       if k.startswith("lm_head.")})
-        head = {k.removeprefix("head."): v for k, v in full.items() if k.startswith("head.")}
-        for where in (path, path.parent / "reward_model"):
-            self.model.save_pretrained(where, state_dict=dict(lm))  # it empties the dict
-            self.tokenizer.save_pretrained(where)
-        save_reward_model(None, head, self.tokenizer, path.parent / "reward_model",
-                          base=self.cfg.actor.model)
+            state.update({k: v for k, v in self.model.state_dict().items()
+                          if not k.startswith(prefix)})
+        return state
 
 
-def save_reward_model(lm: Any, head: torch.nn.Module | dict[str, Any], tokenizer: Any,
-                      path: Path, *, base: str) -> None:
+def save_reward_model(lm: Any, head: dict[str, Any], tokenizer: Any, path: Path, *,
+                      base: str, state: dict[str, Any] | None = None) -> None:
     """A directory `load_reward_model` reads: the language model whose backbone the reward
-    model shares (a ValueModel trains it in place), its tokenizer, the head (a module or its
-    state dict) and a marker. `lm` None: the caller wrote the language model there."""
+    model shares (a ValueModel trains it in place; with LoRA, merged), its tokenizer, the head's
+    state dict and a marker. `state`: the language model's full state dict where it is sharded
+    over ranks (None: `lm` holds it)."""
     from agentrl.models.lora import is_lora, save_merged
 
     path.mkdir(parents=True, exist_ok=True)
-    if lm is not None and is_lora(lm):
-        save_merged(lm, tokenizer, path)  # the backbone with its adapters merged
-    elif lm is not None:
-        lm.save_pretrained(path)
+    if is_lora(lm):
+        save_merged(lm, tokenizer, path, state)  # the backbone with its adapters merged
+    else:
+        lm.save_pretrained(path, state_dict=None if state is None else dict(state))
         tokenizer.save_pretrained(path)
-    torch.save(head if isinstance(head, dict) else head.state_dict(), path / "value_head.pt")
+    torch.save(head, path / "value_head.pt")
     (path / MARKER).write_text(json.dumps({"kind": "agentrl reward model", "base": base,
                                            "score": "value head at the last token"}, indent=2))
 

@@ -10,7 +10,9 @@ torch AdamW is passed in so nothing is JIT-compiled beyond DeepSpeed's one commu
 
 `state_dict` holds the full (gathered) module state plus every rank's optimizer partition, so
 a resume needs the same world size, as DeepSpeed's own `load_state_dict` does. A frozen model
-(the reference) is not wrapped: every rank keeps a whole copy on its device.
+(the reference) is not wrapped: every rank keeps a whole copy on its device. Of a LoRA model only
+the adapters reach the optimizer: stages 1-2 keep the frozen base whole on every rank, stage 3
+partitions it as any weight (and gathers it for `full_weights`).
 """
 
 from __future__ import annotations

@@ -5,6 +5,13 @@ Each rank (a Ray actor) holds one shard of every decoder layer and of the rest o
 the rollout batch. FSDP2 averages gradients over ranks in its reduce-scatter; the worker's loss
 is normalised by global counts, so the loss is scaled by the world size here and N ranks give
 the update of one process (tested). A frozen model (the reference) is sharded the same way.
+
+So is a LoRA model, whose units then hold a frozen base beside trainable adapters. FSDP2 (torch
+2.13) allows that mix: every parameter stays a DTensor with its own requires_grad, a unit's
+parameters are all-gathered together but only the gradients that exist are reduce-scattered
+(`FSDPParamGroup.post_backward`), its one-dtype check covers only trainable parameters, and a
+unit whose inputs need no gradient (the first layer above frozen embeddings) is reduced from the
+root's end-of-backward callback. The optimizer gets only the adapters' shards.
 """
 
 from __future__ import annotations

@@ -4,14 +4,15 @@
 The trainers keep one model in memory: the reference of RL and DPO is the same model with its
 adapters switched off (`adapters_off`), and engines that hold their own weights get the merged
 ones, W + scale * B A, under the base model's names (`merged_weights`), as does the final
-export (`save_merged`). `load_in_4bit` (QLoRA) quantizes the frozen base with bitsandbytes,
+export (`save_merged`). A model sharded over ranks (FSDP2, ZeRO) merges the same way, from the
+full state its backend gathers. `load_in_4bit` (QLoRA) quantizes the frozen base with bitsandbytes,
 which needs a CUDA GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,31 +83,44 @@ def _base_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def merged_weights(model: nn.Module) -> dict[str, Tensor]:
+def merged_weights(model: nn.Module, state: Mapping[str, Tensor] | None = None
+                   ) -> dict[str, Tensor]:
     """The weights of the model the adapters amount to, W + scale * B A, under the plain
-    model's names (what an engine loads, and what an export saves). The model is unchanged."""
-    delta: dict[str, Tensor] = {}
+    model's names (what an engine loads, and what an export saves). The model is unchanged.
+
+    `state`: the full state dict of `model` where it is sharded over ranks (the backend's
+    `full_weights`, gathered: FSDP2 and ZeRO-3 ranks hold slices of W, A and B); default, the
+    model's own. Only the adapters' scales are read from `model`, so one function merges for one
+    process and for many; an empty `state` (a rank the gather left out) gives an empty dict.
+    `model` may also be a module around the peft model (a reward model's ValueModel): names are
+    relative to it."""
+    state = model.state_dict() if state is None else state
+    # base weight's name -> (A's name, B's name, scale)
+    adapters: dict[str, tuple[str, str, float]] = {}
     for name, layer in _lora_layers(model):
         adapter = layer.active_adapters[0]
-        if adapter not in layer.lora_A:
-            continue
-        a = layer.lora_A[adapter].weight
-        b = layer.lora_B[adapter].weight
-        delta[_base_name(f"{name}.base_layer.weight")] = (b @ a) * layer.scaling[adapter]
+        if adapter in layer.lora_A:
+            adapters[f"{name}.base_layer.weight"] = (f"{name}.lora_A.{adapter}.weight",
+                                                     f"{name}.lora_B.{adapter}.weight",
+                                                     layer.scaling[adapter])
     out: dict[str, Tensor] = {}
-    for name, tensor in model.state_dict().items():  # tied weights under each of their names
+    for name, tensor in state.items():  # tied weights under each of their names
         if "lora_" in name:
             continue
-        base = _base_name(name)
         weight = tensor.detach()
-        out[base] = weight + delta[base].to(weight.dtype) if base in delta else weight
+        if name in adapters:
+            a, b, scale = adapters[name]
+            weight = weight + ((state[b] @ state[a]) * scale).to(weight.dtype)
+        out[_base_name(name)] = weight
     return out
 
 
-def save_merged(model: nn.Module, tokenizer: Any, path: str | Path) -> None:
-    """A plain Hugging Face directory of the merged model (loads without peft)."""
+def save_merged(model: nn.Module, tokenizer: Any, path: str | Path,
+                state: Mapping[str, Tensor] | None = None) -> None:
+    """A plain Hugging Face directory of the merged model (loads without peft); `state` as for
+    `merged_weights`."""
     base = model.get_base_model()  # type: ignore[operator]
-    weights = merged_weights(model)
+    weights = merged_weights(model, state)
     # The state dict of the base model's own layout: peft's wrappers renamed nothing else.
     base.save_pretrained(path, state_dict={k: v.contiguous() for k, v in weights.items()})
     tokenizer.save_pretrained(path)

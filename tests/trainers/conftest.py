@@ -18,6 +18,20 @@ def tiny_cfg(tmp_path, **overrides):
     return dataclasses.replace(cfg, **{**base, **overrides})
 
 
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """A private local Ray cluster (2 CPUs) for the tests of one module: started once, as
+    starting one costs seconds; trainers that find it running leave it up."""
+    import os
+
+    from trainers.ray_utils import init_ray, shutdown_ray
+
+    os.environ["AGENTRL_RAY_TMP"] = str(tmp_path_factory.mktemp("ray"))
+    init_ray(num_cpus=2)
+    yield
+    shutdown_ray()  # and its reaper ends Ray's agents, so none outlives the module
+
+
 @pytest.fixture
 def make_cfg(tmp_path):
     return lambda **kw: tiny_cfg(tmp_path, **kw)

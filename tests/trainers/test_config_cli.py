@@ -88,6 +88,25 @@ def test_data_parallel_backends_take_the_critic_and_zero3(backend, extra):
     assert cfg.zero_stage == (3 if extra else 2)
 
 
+@pytest.mark.parametrize(
+    ("backend", "extra", "shards_the_base"),
+    [("fsdp2", [], True), ("deepspeed", ["--zero_stage", "3"], True),
+     ("deepspeed", ["--zero_stage", "2"], False)],
+)
+def test_lora_takes_data_parallel_ranks_but_a_4bit_base_is_not_sharded(backend, extra,
+                                                                       shards_the_base):
+    lora = [*DATA_PARALLEL, backend, *extra, "--actor.lora_rank", "8"]
+    assert build_config(lora).actor.lora_rank == 8
+    qlora = [*lora, "--actor.load_in_4bit", "true"]
+    if not shards_the_base:
+        assert build_config(qlora).actor.load_in_4bit
+        return
+    with pytest.raises(ValueError, match=r"--actor.load_in_4bit \(QLoRA\) with "
+                                         r"--num_policy_workers > 1: --backend .* shards every "
+                                         r"weight.* use --backend deepspeed --zero_stage 2"):
+        build_config(qlora)
+
+
 def test_cli_prints_error_and_returns_2(capsys):
     assert main(["--env", "digits", "--algo.estimator", "nope"]) == 2
     assert "--algo.estimator 'nope' is unknown" in capsys.readouterr().err

@@ -49,6 +49,28 @@ def test_merged_weights_are_the_adapted_model_and_adapters_off_is_the_base(tmp_p
     assert 0 < trainable < total // 10
 
 
+def test_merged_weights_come_from_the_state_given():
+    """Sharded over ranks, the model's own tensors are slices: the merge then reads W, A and B
+    from the gathered state only (names relative to the module given, a ValueModel's too)."""
+    from trainers.critic import ValueModel
+
+    model = _adapted()
+    base = load_model("tiny").state_dict()
+    no_b = {k: torch.zeros_like(v) if "lora_B" in k else v for k, v in model.state_dict().items()}
+    merged = merged_weights(model, no_b)
+    assert merged.keys() == base.keys()
+    for k, v in merged.items():
+        assert torch.equal(v, base[k]), k
+    assert merged_weights(model, {}) == {}  # a rank the gather left out
+    value = ValueModel(model)
+    from_value = merged_weights(value)
+    for k, v in merged_weights(model).items():
+        if k.startswith("model."):
+            assert torch.equal(from_value["backbone." + k.removeprefix("model.")], v), k
+    assert not torch.equal(from_value["backbone.layers.0.self_attn.q_proj.weight"],
+                           base["model.layers.0.self_attn.q_proj.weight"])
+
+
 def _chats(path, n=120):
     rng = random.Random(0)
     words = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "rocket"]

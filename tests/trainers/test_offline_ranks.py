@@ -1,6 +1,7 @@
 """`--num_workers N` for the offline trainers (#18): N data-parallel Ray actors (gloo here) give
 the model one process trains, for SFT, DPO and the reward model, on FSDP2 and DeepSpeed; the
-epoch's short last step is padded with zero-weight repeats so every rank runs the same passes."""
+epoch's short last step is padded with zero-weight repeats so every rank runs the same passes.
+With LoRA only the adapters train, and they and the merged export are one process's too."""
 
 from __future__ import annotations
 
@@ -29,15 +30,18 @@ def _rows(path, kind: str, n: int = 44) -> str:
     return str(path)
 
 
-def _run(kind: str, tmp_path, name: str, **kw):
+def _run(kind: str, tmp_path, name: str, *, lora_rank: int = 0, **kw):
     from trainers.dpo import DPOConfig, run_dpo
     from trainers.rm import RMConfig, run_rm
     from trainers.sft import SFTConfig, run_sft
 
     config, run = {"sft": (SFTConfig, run_sft), "dpo": (DPOConfig, run_dpo),
                    "rm": (RMConfig, run_rm)}[kind]
+    # Adapters start as no change (B = 0): a larger step makes them say something.
+    actor = ActorConfig(model="tiny", lr=1e-2 if lora_rank else 1e-3, lora_rank=lora_rank,
+                        lora_alpha=2 * lora_rank or 16)
     # 44 rows, ~4 held out: steps of 16, 16 and a short last one; 2 micro-batches per rank.
-    cfg = config(actor=ActorConfig(model="tiny", lr=1e-3), run_dir=str(tmp_path / name),
+    cfg = config(actor=actor, run_dir=str(tmp_path / name),
                  dataset=_rows(tmp_path / f"{kind}.jsonl", kind), eval_fraction=0.1,
                  batch_size=16, micro_batch_size=4, progress=False, tensorboard=False,
                  seed=3, **kw)
@@ -52,7 +56,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_workers_train_what_one_process_does(tmp_path, case):
+def test_two_workers_train_what_one_process_does(ray_cluster, tmp_path, case):
     kind, options = CASES[case]
     if options["backend"] == "deepspeed":
         pytest.importorskip("deepspeed")
@@ -85,3 +89,71 @@ def test_num_workers_needs_a_distributed_backend():
         SFTConfig(dataset="x.jsonl", num_workers=2, backend="local")
     with pytest.raises(ValueError, match="--batch_size 1 gives some of the 2 workers nothing"):
         SFTConfig(dataset="x.jsonl", num_workers=2, backend="fsdp2", batch_size=1)
+    lora = ActorConfig(lora_rank=8)
+    assert SFTConfig(dataset="x.jsonl", num_workers=2, backend="fsdp2", actor=lora).num_workers == 2
+    qlora = ActorConfig(lora_rank=8, load_in_4bit=True)
+    with pytest.raises(ValueError, match=r"--actor.load_in_4bit \(QLoRA\) with --num_workers > 1: "
+                                         r"--backend fsdp2 shards every weight"):
+        SFTConfig(dataset="x.jsonl", num_workers=2, backend="fsdp2", actor=qlora)
+
+
+LORA_CASES = {
+    "sft-fsdp2": ("sft", {"backend": "fsdp2"}),
+    "dpo-zero2": ("dpo", {"backend": "deepspeed", "zero_stage": 2}),
+}
+
+
+@pytest.mark.parametrize("case", list(LORA_CASES))
+def test_two_workers_train_the_adapters_one_process_does(ray_cluster, tmp_path, case):
+    """LoRA over ranks: only the adapters train (the base in the checkpoint is the initial
+    one, the optimizer holds adapter state only), and the adapters, the merged export and the
+    held-out losses are those of one process."""
+    kind, options = LORA_CASES[case]
+    if options["backend"] == "deepspeed":
+        pytest.importorskip("deepspeed")
+    from safetensors.torch import load_file
+
+    from agentrl.models import load_model
+    from agentrl.models.lora import trainable_parameters, with_lora
+    from trainers.checkpoint import load_checkpoint
+
+    one = _run(kind, tmp_path, "one", backend="local", lora_rank=4)
+    two = _run(kind, tmp_path, "two", num_workers=2, lora_rank=4, **options)
+    assert two["steps"] == one["steps"] == 3
+    for when in ("eval_before", "eval_after"):
+        for k, v in one[when].items():
+            assert two[when][k] == pytest.approx(v, rel=1e-3, abs=1e-4), (when, k)
+    adapters = [load_file(tmp_path / run / "adapter" / "adapter_model.safetensors")
+                for run in ("one", "two")]
+    assert adapters[0].keys() == adapters[1].keys() and adapters[0]
+    for k in adapters[0]:
+        torch.testing.assert_close(adapters[1][k], adapters[0][k], rtol=1e-3, atol=1e-4)
+    base = load_model("tiny").state_dict()
+    merged = {run: load_model(r["hf_model"]).state_dict() for run, r in (("one", one),
+                                                                         ("two", two))}
+    saved = adapters[1]
+    for name, w in base.items():
+        torch.testing.assert_close(merged["two"][name], merged["one"][name], rtol=1e-3,
+                                   atol=1e-4)
+        # The export is the initial base plus the saved adapters' B A (scale alpha / r = 2).
+        lora = f"base_model.model.{name.removesuffix('.weight')}.lora_"
+        if lora + "A.weight" in saved:
+            w = w + 2 * saved[lora + "B.weight"] @ saved[lora + "A.weight"]
+        torch.testing.assert_close(merged["two"][name], w, rtol=0, atol=1e-5)
+    assert max((merged["two"][k] - base[k]).abs().max() for k in base) > 1e-3  # trained
+    # Checkpoints are the one-process run's: the whole model (its base as it started), and
+    # optimizer state for the adapters only (FSDP2: by name; ZeRO: each rank's partition).
+    state, _, _ = load_checkpoint(two["checkpoint"])
+    frozen = {k: v for k, v in state["backend"]["model"].items() if "lora_" not in k}
+    assert len(frozen) == len(base)
+    for k, v in frozen.items():
+        assert torch.equal(v, base[k.removeprefix("base_model.model.").replace(".base_layer.",
+                                                                              ".")]), k
+    optim = state["backend"]["optimizer"]
+    if options["backend"] == "fsdp2":
+        assert all("lora_" in k for k in optim["state"])
+        held = sum(v["exp_avg"].numel() for v in optim["state"].values())
+    else:
+        held = sum(p.numel() for rank in optim for p in rank["single_partition_of_fp32_groups"])
+    trainable, _ = trainable_parameters(with_lora(load_model("tiny"), rank=4, alpha=8))
+    assert held == trainable

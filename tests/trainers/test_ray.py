@@ -13,18 +13,6 @@ from trainers.controller import Trainer, TrainingError
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
-    import os
-
-    from trainers.ray_utils import init_ray, shutdown_ray
-
-    os.environ["AGENTRL_RAY_TMP"] = str(tmp_path_factory.mktemp("ray"))
-    init_ray(num_cpus=2)
-    yield
-    shutdown_ray()  # and its reaper ends Ray's agents, so none outlives the module
-
-
 def _metrics(run_dir):
     return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
@@ -206,6 +194,83 @@ def test_two_ranks_match_one_process(ray_cluster, make_cfg, recorded_rollouts, t
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).state_dict()
     for k in want:
         assert torch.equal(exported[k], first["model"][k]), k
+
+
+def test_two_lora_ranks_match_one_process_and_sync_merged_weights(
+    ray_cluster, make_cfg, recorded_rollouts, tmp_path
+):
+    """LoRA over two FSDP2 policy ranks (frozen base and trainable adapters in one sharded
+    unit): with a KL reference (the base, adapters off) they train the adapters one process
+    trains on the whole batch; the rollout engine loads the merged W + scale * B A gathered
+    from the shards; the checkpoint holds the untouched base and optimizer state for the
+    adapters only, and loads back; rank 0 exports adapters and the merged model as one process
+    does. (LoRA on ZeRO-2: tests/trainers/test_offline_ranks.py.)"""
+    import torch
+    from safetensors.torch import load_file
+
+    from agentrl.models import load_model
+    from agentrl.types import dense_group_ids, load_jsonl
+    from trainers.policy import PolicyWorker
+
+    trajs = load_jsonl(recorded_rollouts)
+    batches = [trajs[:16], trajs[16:32]]
+    lora = {"lora_rank": 4, "lora_alpha": 8, "lr": 1e-2}
+    # Batches of 4 prompts x 4 samples; two epochs: the KL is then taken from the policy as it
+    # moves (not from the sampler's log-probs, which are the base's here); two micro-batches
+    # per rank.
+    step = {"micro_batch_size": 4, "epochs_per_step": 2, "actor": lora,
+            "algo": {"kl_coef": 0.1}}
+    cfg = make_cfg(use_ray=True, num_policy_workers=2, run_dir=str(tmp_path / "run"),
+                   backend="fsdp2", rollout={"mode": "placed", "prompts_per_step": 4}, **step)
+    trainer = Trainer(cfg)
+    trainer._start_workers()
+    local = PolicyWorker(make_cfg(rollout={"prompts_per_step": 4}, **step), with_engine=False)
+    assert local.ref is None and local.has_ref  # the base with adapters off, no copy
+    local_metrics = [local.train(b, 0.1) for b in batches]
+    metrics = [trainer.policy.call("train", b, 0.1, dense_group_ids(b)) for b in batches]
+    for m, lm in zip(metrics, local_metrics, strict=True):
+        assert m["loss"] == pytest.approx(lm["loss"], rel=1e-4, abs=1e-6)
+        assert m["grad_norm"] == pytest.approx(lm["grad_norm"], rel=1e-3)
+    # (`kl` is rank 0's share of the batch.) The reference is the base: the adapters moved the
+    # policy off it, and the KL penalty shaped the rewards whose loss matched above.
+    assert abs(metrics[1]["kl"]) > 1e-3
+
+    base = load_model("tiny").state_dict()
+    got, want = trainer.policy.call("named_weights"), local.named_weights()
+    assert got.keys() == want.keys() == base.keys()  # the plain model's names
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4)
+    assert max(float((got[k] - base[k]).abs().max()) for k in base) > 1e-3
+    trainer.step = 2
+    trainer._sync_weights()
+    engine = trainer.rollout.call("named_weights")
+    for k in base:
+        assert torch.equal(engine[k], got[k]), k
+
+    state = trainer.policy.call("state_dict")
+    model_state = state["model"]
+    assert model_state.keys() == local.policy.state_dict()["model"].keys()
+    for k, v in model_state.items():
+        if "lora_" not in k:
+            assert torch.equal(v, base[k.removeprefix("base_model.model.").replace(
+                ".base_layer.", ".")]), k
+    held = state["optimizer"]["state"]
+    assert held and all("lora_" in k for k in held)
+    trainer.policy.call("train", batches[0], 0.1, dense_group_ids(batches[0]))
+    trainer.policy.call("load_state_dict", state)
+    again = trainer.policy.call("named_weights")
+    for k in got:
+        assert torch.equal(again[k], got[k]), k
+
+    hf = tmp_path / "run" / "hf"
+    trainer.policy.call("export_hf", str(hf))
+    exported = load_model(str(hf)).state_dict()
+    for k in got:
+        assert torch.equal(exported[k], got[k]), k
+    adapter = load_file(tmp_path / "run" / "adapter" / "adapter_model.safetensors")
+    for k, v in model_state.items():
+        if "lora_" in k:
+            assert torch.equal(adapter[k.replace(".default", "")], v), k
 
 
 def test_cpu_actors_split_the_cluster_and_get_its_threads(ray_cluster, make_cfg):
