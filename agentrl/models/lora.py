@@ -103,16 +103,34 @@ def merged_weights(model: nn.Module, state: Mapping[str, Tensor] | None = None
             adapters[f"{name}.base_layer.weight"] = (f"{name}.lora_A.{adapter}.weight",
                                                      f"{name}.lora_B.{adapter}.weight",
                                                      layer.scaling[adapter])
+    packed = {name for name, t in state.items() if _quant_state(model, name, t) is not None}
     out: dict[str, Tensor] = {}
     for name, tensor in state.items():  # tied weights under each of their names
-        if "lora_" in name:
-            continue
+        head, dot, _ = name.rpartition(".weight.")
+        if "lora_" in name or (dot and f"{head}.weight" in packed):
+            continue  # an adapter, or what bitsandbytes saves beside a 4-bit weight
         weight = tensor.detach()
+        if name in packed:  # QLoRA's 4-bit base: the values it stands for
+            import bitsandbytes.functional as bnb_functional
+
+            weight = bnb_functional.dequantize_4bit(weight, _quant_state(model, name, tensor))
         if name in adapters:
             a, b, scale = adapters[name]
             weight = weight + ((state[b] @ state[a]) * scale).to(weight.dtype)
         out[_base_name(name)] = weight
     return out
+
+
+def _quant_state(model: nn.Module, name: str, tensor: Tensor) -> Any:
+    """The bitsandbytes quantization state of `name` where it is a 4-bit weight (QLoRA packs
+    two values a byte into uint8, `Params4bit.quant_state` says how), else None."""
+    if tensor.dtype != torch.uint8:
+        return None
+    try:
+        param = model.get_parameter(name)
+    except AttributeError:
+        return None
+    return getattr(param, "quant_state", None)
 
 
 def save_merged(model: nn.Module, tokenizer: Any, path: str | Path,

@@ -71,6 +71,46 @@ def test_merged_weights_come_from_the_state_given():
                            base["model.layers.0.self_attn.q_proj.weight"])
 
 
+def test_a_4bit_base_merges_as_the_values_it_stands_for(monkeypatch):
+    """QLoRA: bitsandbytes keeps a frozen weight packed in uint8 (its `quant_state` says how)
+    and saves the state beside it (`weight.absmax`, ...). The merge dequantizes the weight
+    before adding scale * B A and leaves the packing state out: an engine loads plain tensors.
+    (bitsandbytes' dequantization itself needs CUDA: here a stand-in of its function.)"""
+    import sys
+    import types
+
+    model = _adapted()
+    name = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    dense = model.get_parameter(name).detach().clone()
+    packed = torch.nn.Parameter(torch.zeros(dense.numel() // 2, 1, dtype=torch.uint8),
+                                requires_grad=False)
+    packed.quant_state = object()  # type: ignore[attr-defined]
+    layer = model.get_submodule(name.removesuffix(".weight"))
+    layer.weight = packed
+    calls = []
+
+    def dequantize_4bit(tensor, quant_state):
+        calls.append((tensor, quant_state))
+        return dense
+
+    stub = types.ModuleType("bitsandbytes.functional")
+    stub.dequantize_4bit = dequantize_4bit
+    monkeypatch.setitem(sys.modules, "bitsandbytes", types.ModuleType("bitsandbytes"))
+    monkeypatch.setitem(sys.modules, "bitsandbytes.functional", stub)
+    state = {**model.state_dict(), name + ".absmax": torch.ones(4),
+             name + ".quant_state.bitsandbytes__nf4": torch.zeros(8, dtype=torch.uint8)}
+    merged = merged_weights(model, state)
+    [(tensor, quant)] = calls
+    assert tensor is packed.data or torch.equal(tensor, packed.data)
+    assert quant is packed.quant_state
+    plain = name.replace("base_model.model.", "").replace(".base_layer", "")
+    a, b = (state[name.replace("base_layer", f"lora_{x}.default")] for x in "AB")
+    scale = model.get_submodule(name.removesuffix(".base_layer.weight")).scaling["default"]
+    torch.testing.assert_close(merged[plain], dense + scale * (b @ a))
+    assert not any("absmax" in k or "quant_state" in k for k in merged)
+    assert merged.keys() == load_model("tiny").state_dict().keys()
+
+
 def _chats(path, n=120):
     rng = random.Random(0)
     words = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "rocket"]
