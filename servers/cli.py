@@ -7,6 +7,7 @@ import hashlib
 import ipaddress
 import json
 import logging
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -111,15 +112,19 @@ def main(argv: list[str] | None = None) -> int:
 
         from trainers.router import EngineRouter, engine_devices
 
-        devices = engine_devices(args.engines, args.device, gpus=torch.cuda.device_count(),
-                                 engine=args.engine,
-                                 tensor_parallel_size=args.tensor_parallel_size)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        places = engine_devices(args.engines, args.device, gpus=torch.cuda.device_count(),
+                                engine=args.engine,
+                                tensor_parallel_size=args.tensor_parallel_size,
+                                visible=visible.split(",") if visible else None)
         tokenizer = load_tokenizer(args.model)
         engines = [open_engine(
-            args.model, engine=args.engine, device=dev if args.engines > 1 else args.device,
+            args.model, engine=args.engine,
+            device=place.device if args.engines > 1 else args.device,
             tokenizer=tokenizer, tensor_parallel_size=args.tensor_parallel_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
-        ) for dev in devices]
+            cuda_visible_devices=place.cuda_visible_devices,
+        ) for place in places]
         engine = engines[0] if len(engines) == 1 else EngineRouter(engines)
     except ValueError as e:
         print(f"agentrl serve: {e}", file=sys.stderr)

@@ -20,6 +20,7 @@ engine must already hold the current weights) and counts the restart.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -36,18 +37,31 @@ class EngineGone(GenerationError):
     """The engine's process is gone; its calls can be sent to another engine."""
 
 
+@dataclasses.dataclass(frozen=True)
+class EnginePlace:
+    """Where one engine of a server runs: its device, and for a vLLM engine on GPUs the
+    CUDA_VISIBLE_DEVICES its processes start with (its own GPUs; None: inherit this process's)."""
+
+    device: str
+    cuda_visible_devices: str | None = None
+
+
 def engine_devices(num_engines: int, device: str, *, gpus: int, engine: str = "transformers",
-                   tensor_parallel_size: int = 1) -> list[str]:
+                   tensor_parallel_size: int = 1, visible: Sequence[str] | None = None
+                   ) -> list[EnginePlace]:
     """Where each of `num_engines` engines runs, given `gpus` visible GPUs: on GPUs each engine
     gets its own (`tensor_parallel_size` each), refused with the arithmetic when there are too
-    few; on the CPU they share the cores. `device`: auto, cpu, cuda or cuda:N."""
+    few; on the CPU they share the cores. `device`: auto, cpu, cuda or cuda:N. A transformers
+    engine goes to its GPU by device; vLLM engines, which place their own workers on the GPUs
+    they see, each start with the next `tensor_parallel_size` of `visible` (this process's
+    CUDA_VISIBLE_DEVICES entries; default 0..gpus-1) as theirs."""
     if num_engines < 1:
         raise ValueError(f"--engines must be >= 1, got {num_engines}")
     on_gpu = device.startswith("cuda") or (device == "auto" and gpus > 0)
     if not on_gpu:
-        return ["cpu"] * num_engines
+        return [EnginePlace("cpu")] * num_engines
     if num_engines == 1:
-        return [device if device != "auto" else "cuda"]
+        return [EnginePlace(device if device != "auto" else "cuda")]
     if device.startswith("cuda:"):
         raise ValueError(f"--engines {num_engines} puts each engine on its own GPU; --device "
                          f"{device} names one. Pass --device cuda (or auto)")
@@ -56,11 +70,11 @@ def engine_devices(num_engines: int, device: str, *, gpus: int, engine: str = "t
         raise ValueError(f"--engines {num_engines} x --tensor_parallel_size "
                          f"{tensor_parallel_size} = {need} GPUs, but {gpus} are visible; use at "
                          f"most {max(gpus // tensor_parallel_size, 1)} engines")
-    if engine != "transformers":
-        raise ValueError("several vLLM engines on GPUs in one server are not supported yet "
-                         "(each needs its own CUDA_VISIBLE_DEVICES); run one `agentrl serve` "
-                         "per GPU set behind your load balancer, or use --engine transformers")
-    return [f"cuda:{i}" for i in range(num_engines)]
+    if engine == "transformers":
+        return [EnginePlace(f"cuda:{i}") for i in range(num_engines)]
+    ids = list(visible) if visible is not None else [str(i) for i in range(gpus)]
+    tp = tensor_parallel_size
+    return [EnginePlace("cuda", ",".join(ids[k * tp:(k + 1) * tp])) for k in range(num_engines)]
 
 
 class EngineRouter:

@@ -97,6 +97,7 @@ def open_engine(
     gpu_memory_utilization: float = 0.5,
     enable_sleep: bool = False,
     weight_transfer: str | None = None,
+    cuda_visible_devices: str | None = None,
     flag_prefix: str = "--",
 ) -> Engine:
     """An engine for a model by name from the flags `eval`, `rollout`, `serve` and `train` share
@@ -106,7 +107,8 @@ def open_engine(
     transformers: the model is loaded onto `device` (auto: a GPU when one is visible); vllm: vLLM
     loads it itself (tensor parallel over `tensor_parallel_size` GPUs, or CPU workers;
     `gpu_memory_utilization` of each GPU; vLLM's CUDA sleep mode with `enable_sleep`; broadcast
-    weight updates with `weight_transfer`, see agentrl/engine/weight_broadcast.py).
+    weight updates with `weight_transfer`, see agentrl/engine/weight_broadcast.py; its own GPUs
+    with `cuda_visible_devices`, for several engines in one process).
     """
     from agentrl.backends.device import resolve_device
 
@@ -144,6 +146,7 @@ def open_engine(
                               "weight_transfer": weight_transfer}
     if dev.type == "cuda":
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        kwargs["cuda_visible_devices"] = cuda_visible_devices
     return create_engine(model, backend="vllm", **kwargs)
 
 

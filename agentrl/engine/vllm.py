@@ -70,9 +70,10 @@ import copy
 import dataclasses
 import difflib
 import multiprocessing
+import os
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from agentrl.engine.base import NamedTensors
@@ -120,6 +121,10 @@ class VLLMEngine:
         weight_transfer: also take broadcast weight updates from a trainer
             (agentrl/engine/weight_broadcast.py): "nccl" (GPUs; vLLM's NCCL weight-transfer
             engine) or "gloo" (CPUs). None: `update_weights` only.
+        cuda_visible_devices: the GPUs this engine's processes use (a CUDA_VISIBLE_DEVICES
+            value), for several engines in one process: vLLM's engine core and workers inherit
+            the variable when they start, and place tensor-parallel ranks on the GPUs they see.
+            None: this process's.
         **engine_kwargs: more `AsyncEngineArgs` (dtype, enforce_eager, max_model_len, ...);
             on a CPU `dtype` defaults to float32 and `enforce_eager` to True (`CPU_DEFAULTS`).
     """
@@ -134,6 +139,7 @@ class VLLMEngine:
         kv_cache_bytes: int | None = None,
         bucket_bytes: int = 256 << 20,
         weight_transfer: str | None = None,
+        cuda_visible_devices: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
         try:
@@ -187,7 +193,8 @@ class VLLMEngine:
 
         before = set(multiprocessing.active_children())
         try:
-            self.llm = self._call(_make())
+            with _visible_devices(cuda_visible_devices):
+                self.llm = self._call(_make())
         except BaseException:
             self._stop_loop()
             raise
@@ -577,6 +584,28 @@ class VLLMEngine:
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _visible_devices(value: str | None) -> Iterator[None]:
+    """CUDA_VISIBLE_DEVICES is `value` while vLLM starts its processes (they copy the
+    environment when spawned), then what it was; one engine at a time."""
+    if value is None:
+        yield
+        return
+    with _ENV_LOCK:
+        before = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = value
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def _check_weight_transfer(backend: str | None, cpu: bool) -> None:

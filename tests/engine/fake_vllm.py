@@ -47,6 +47,7 @@ import asyncio
 import contextlib
 import enum
 import importlib
+import os
 import queue
 import sys
 import threading
@@ -419,6 +420,8 @@ class AsyncLLM:
         self.output_processor = types.SimpleNamespace(external_req_ids={}, request_states={})
         self.calls: list[str] = []
         self.prompts: list[dict] = []  # every prompt generate() got (a TokensPrompt dict)
+        # What vLLM's engine-core process, spawned now, would inherit.
+        self.cuda_visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
         AsyncLLM.instances.append(self)
 
     @classmethod

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import sys
 
 import pytest
@@ -239,6 +240,22 @@ async def test_an_engine_that_cannot_start_the_update_cancels_it_on_the_others(m
     sender.send([("w", torch.tensor(3))], version=1)  # the group still works
     assert good.version == bad.version == 1
     assert [x.workers[0].model.w for x in fake_vllm.AsyncLLM.instances[-2:]] == [3, 3]
+
+
+def test_several_engines_in_one_process_start_on_their_own_gpus(make_engine, monkeypatch):
+    """`agentrl serve --engines 2 --tensor_parallel_size 2` on four GPUs: each vLLM engine's
+    processes start with its own CUDA_VISIBLE_DEVICES (they copy the environment when
+    spawned); this process's stays as it was."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    first = make_engine(cuda_visible_devices="0,1", tensor_parallel_size=2)
+    second = make_engine(cuda_visible_devices="2,3", tensor_parallel_size=2)
+    assert [x.cuda_visible_devices for x in fake_vllm.AsyncLLM.instances[-2:]] == ["0,1", "2,3"]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    make_engine(cuda_visible_devices="5")
+    assert fake_vllm.AsyncLLM.instances[-1].cuda_visible_devices == "5"
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    assert first.version == second.version == 0
 
 
 def test_broadcast_needs_an_engine_made_for_it(make_engine):

@@ -79,3 +79,44 @@ def test_more_engines_than_gpus_is_refused_before_loading(capsys, monkeypatch):
     assert main(["serve", "--model", "tiny", "--engines", "3", "--device", "cuda"]) == 2
     assert "--engines 3 x --tensor_parallel_size 1 = 3 GPUs, but 2 are visible" in (
         capsys.readouterr().err)
+
+
+def test_several_vllm_engines_on_gpus_each_start_on_their_own(capsys, monkeypatch, tmp_path):
+    """`--engine vllm --engines 2 --tensor_parallel_size 2` with GPUs 4-7 visible: the first
+    engine starts on 4,5, the second on 6,7, behind one router."""
+    import torch
+
+    import agentrl.engine
+    import servers.cli
+    import trainers.router
+    from agentrl.models import load_tokenizer
+    from servers.testing import FakeEngine
+    from trainers.router import EngineRouter
+
+    opened: list[dict] = []
+    served: list = []
+    routers: list = []
+
+    class Recorded(EngineRouter):
+        def __init__(self, engines, **kwargs) -> None:
+            routers.append(engines)
+            super().__init__(engines, **kwargs)
+
+    monkeypatch.setattr(trainers.router, "EngineRouter", Recorded)
+
+    def open_engine(model, **kwargs):
+        opened.append(kwargs)
+        return FakeEngine(load_tokenizer("tiny"))
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(agentrl.engine, "open_engine", open_engine)
+    monkeypatch.setattr(servers.cli, "_run_with_announce",
+                        lambda server, announce: served.append(server.config.app))
+    assert main(["serve", "--model", "tiny", "--engine", "vllm", "--engines", "2",
+                 "--tensor_parallel_size", "2", "--device", "cuda",
+                 "--store", str(tmp_path / "sessions.db")]) == 0
+    assert [(k["device"], k["cuda_visible_devices"]) for k in opened] == [
+        ("cuda", "4,5"), ("cuda", "6,7")]
+    assert all(k["tensor_parallel_size"] == 2 for k in opened)
+    assert len(served) == 1 and [len(r) for r in routers] == [2]  # one router over both

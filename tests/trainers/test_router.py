@@ -86,14 +86,21 @@ async def test_weights_go_to_every_engine_with_one_version_and_streams_fall_back
 
 
 def test_engine_devices_and_the_arithmetic_of_too_many():
-    assert engine_devices(3, "auto", gpus=0) == ["cpu"] * 3
-    assert engine_devices(2, "cuda", gpus=4) == ["cuda:0", "cuda:1"]
-    assert engine_devices(1, "cuda:2", gpus=4) == ["cuda:2"]
+    def devices(*args, **kwargs):
+        return [(p.device, p.cuda_visible_devices) for p in engine_devices(*args, **kwargs)]
+
+    assert devices(3, "auto", gpus=0) == [("cpu", None)] * 3
+    assert devices(2, "cuda", gpus=4) == [("cuda:0", None), ("cuda:1", None)]
+    assert devices(1, "cuda:2", gpus=4) == [("cuda:2", None)]
     with pytest.raises(ValueError, match=r"--engines 3 x --tensor_parallel_size 2 = 6 GPUs, "
                                          r"but 4 are visible; use at most 2 engines"):
-        engine_devices(3, "cuda", gpus=4, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="not supported yet"):
-        engine_devices(2, "auto", gpus=2, engine="vllm")
+        engine_devices(3, "cuda", gpus=4, tensor_parallel_size=2, engine="vllm")
+    # vLLM engines start their processes on GPUs of their own, named as this process sees them
+    assert devices(2, "auto", gpus=4, engine="vllm", tensor_parallel_size=2) == [
+        ("cuda", "0,1"), ("cuda", "2,3")]
+    assert devices(3, "cuda", gpus=3, engine="vllm", visible=["4", "6", "7"]) == [
+        ("cuda", "4"), ("cuda", "6"), ("cuda", "7")]
+    assert devices(1, "auto", gpus=2, engine="vllm") == [("cuda", None)]
     with pytest.raises(ValueError, match="must be >= 1"):
         engine_devices(0, "cpu", gpus=0)
 
