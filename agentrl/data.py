@@ -1,6 +1,7 @@
 """Dataset rows from local files, for every `--dataset` flag (sft, dpo, rm, and train's
-single-turn RL): a JSONL (or JSON list) file, a Parquet file, or a directory written by
-Hugging Face `datasets` (`save_to_disk`). Nothing is fetched from a hub.
+single-turn RL) and the math environments' `data_path`: a JSONL (or JSON list) file, a Parquet
+file, or a local Hugging Face `datasets` directory (one `save_to_disk` wrote, or data files
+`load_dataset` reads). Nothing is fetched from a hub.
 
 Bad rows are reported by where they are (`file:line`, or the row index): a line that is not
 JSON, a row that is not an object or lacks a required key. `on_bad="stop"` (default) raises at
@@ -46,7 +47,7 @@ def read_rows(path: str | Path, *, keys: Mapping[str, str] | Sequence[str] = (),
     if not p.exists():
         raise DataError(f"{what} {str(p)!r} does not exist")
     out = Rows()
-    for where, row, error in _raw_rows(p):
+    for where, row, error in raw_rows(p):
         if error is None and not isinstance(row, dict):
             error = f"a row must be a JSON object, got {type(row).__name__}"
         if error is None:
@@ -70,9 +71,13 @@ def read_rows(path: str | Path, *, keys: Mapping[str, str] | Sequence[str] = (),
     return out
 
 
-def _raw_rows(p: Path) -> Iterator[tuple[str, Any, str | None]]:
+def raw_rows(p: Path, *, all_splits: bool = False) -> Iterator[tuple[str, Any, str | None]]:
+    """Every row of `p` as (where, row, None), or (where, None, why) for a line that is not
+    JSON; a file that cannot be read at all raises DataError. A `datasets` directory with
+    several splits gives its 'train' split, or every split with `all_splits` (a reader that
+    makes its own split, like the math environments)."""
     if p.is_dir():
-        yield from _hf_rows(p)
+        yield from _hf_rows(p, all_splits)
         return
     suffix = p.suffix.lower()
     if suffix == ".parquet":
@@ -104,17 +109,24 @@ def _raw_rows(p: Path) -> Iterator[tuple[str, Any, str | None]]:
                         f".json, .parquet or a directory saved by datasets' save_to_disk")
 
 
-def _hf_rows(p: Path) -> Iterator[tuple[str, Any, str | None]]:
+def _hf_rows(p: Path, all_splits: bool) -> Iterator[tuple[str, Any, str | None]]:
     import datasets
 
     try:
-        ds = datasets.load_from_disk(str(p))
+        if (p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists():
+            ds = datasets.load_from_disk(str(p))
+        else:  # data files (parquet, jsonl, ...) that datasets recognises
+            ds = datasets.load_dataset(str(p))
     except (FileNotFoundError, ValueError) as e:
-        raise DataError(f"{p}: not a directory saved by datasets' save_to_disk ({e})") from None
+        raise DataError(f"{p}: not a directory datasets can read: one save_to_disk wrote, or "
+                        f"data files ({e})") from None
     if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
+        if all_splits:
+            ds = datasets.concatenate_datasets(list(ds.values()))
+        elif "train" not in ds:
             raise DataError(f"{p}: a DatasetDict without a 'train' split (it has "
                             f"{sorted(ds)}); point at one split's directory")
-        ds = ds["train"]
+        else:
+            ds = ds["train"]
     for i, row in enumerate(ds):
         yield f"{p}[{i}]", row, None

@@ -265,11 +265,17 @@ def load_problems(
 
     Raises ValueError naming the file, row and key for a missing key or a wrong type.
     """
+    from agentrl.data import raw_rows
+
     _check_split(split, eval_fraction)
     path = Path(path).expanduser()
     if not path.exists():
         raise ValueError(f"data_path {str(path)!r} does not exist")
-    rows = _read_rows(path)
+    rows = []
+    for where, row, error in raw_rows(path, all_splits=True):  # splits come from problem ids
+        if error is not None:
+            raise ValueError(f"{where}: {error}")
+        rows.append((where, row))
     problems: list[Problem] = []
     seen: set[str] = set()
     for where, row in rows:
@@ -308,44 +314,6 @@ def _field(row: object, key: str, where: str, types: tuple[type[T], ...]) -> T:
             f"{value!r:.60}"
         )
     return value
-
-
-def _read_rows(path: Path) -> list[tuple[str, object]]:
-    """Rows with where they came from ("FILE: row I (line L)"), for error messages."""
-    if path.is_dir():
-        import datasets
-
-        if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
-            loaded = datasets.load_from_disk(str(path))
-        else:
-            loaded = datasets.load_dataset(str(path))
-        if isinstance(loaded, datasets.DatasetDict):
-            # Splits are re-derived from problem identity, so every stored split is read.
-            loaded = datasets.concatenate_datasets(list(loaded.values()))
-        return [(f"{path}: row {i}", row) for i, row in enumerate(loaded)]
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        rows: list[tuple[str, object]] = []
-        for lineno, line in enumerate(path.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append((f"{path}: row {len(rows)} (line {lineno})", json.loads(line)))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}: line {lineno}: invalid JSON: {e}") from e
-        return rows
-    if suffix == ".json":
-        data = json.loads(path.read_text())
-        if not isinstance(data, list):
-            raise ValueError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
-        return [(f"{path}: row {i}", row) for i, row in enumerate(data)]
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return [(f"{path}: row {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist())]
-    raise ValueError(
-        f"data_path {str(path)!r}: unsupported file type {suffix!r}; use .jsonl, .json, "
-        f".parquet or a local `datasets` directory"
-    )
 
 
 def _check_split(split: str, eval_fraction: float) -> None:

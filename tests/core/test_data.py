@@ -51,5 +51,5 @@ def test_empty_missing_and_unknown_datasets_are_refused(tmp_path):
     with pytest.raises(DataError, match="unknown dataset format '.csv'"):
         read_rows(tmp_path / "d.csv")
     (tmp_path / "dir").mkdir()
-    with pytest.raises(DataError, match="not a directory saved by datasets"):
+    with pytest.raises(DataError, match="not a directory datasets can read"):
         read_rows(tmp_path / "dir")

@@ -88,7 +88,7 @@ def test_file_missing_key_names_file_row_and_key(write_jsonl):
     path = write_jsonl([{"question": "1+1?", "answer": "2"}, {"question": "2+2?", "anwser": "4"}])
     with pytest.raises(
         ValueError,
-        match=rf"{path.name}: row 1 \(line 2\): missing key 'answer'"
+        match=rf"{path.name}:2: missing key 'answer'"
         r"\. Did you mean 'anwser'",
     ):
         load_problems(path)
@@ -106,7 +106,7 @@ def test_file_wrong_type_names_file_row_and_key(write_jsonl, row, key, got):
     path = write_jsonl([{"question": "ok?", "answer": 1}, {"question": "fine?", "answer": 2}, row])
     with pytest.raises(
         ValueError,
-        match=rf"{path.name}: row 2 \(line 3\): key '{key}' must be "
+        match=rf"{path.name}:3: key '{key}' must be "
         rf".*got {got}",
     ):
         load_problems(path)
@@ -157,10 +157,10 @@ def test_bad_paths(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_problems(tmp_path / "nope.jsonl")
     (tmp_path / "x.csv").write_text("question,answer\n")
-    with pytest.raises(ValueError, match="unsupported file type '.csv'"):
+    with pytest.raises(ValueError, match="unknown dataset format '.csv'"):
         load_problems(tmp_path / "x.csv")
     (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "a", "answer": "1"}) + "\n{oops\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl: line 2: invalid JSON"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
         load_problems(tmp_path / "bad.jsonl")
 
 
