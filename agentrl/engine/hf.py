@@ -181,7 +181,8 @@ class TransformersEngine:
         Cancelling the awaiting task aborts the request and frees its slots; `abort(request_id)`
         instead makes this call return the tokens so far with finish reason "abort".
         """
-        req = self._submit(prompt_ids, params, images, request_id, stream=False)
+        req = self._submit(prompt_ids, params, images, request_id, stream=False,
+                           grammar=await self._compile(params))
         if req is None:
             return [_empty_completion(params, self._version) for _ in range(params.n)]
         try:
@@ -205,7 +206,8 @@ class TransformersEngine:
         reason (and stop reason). Closing the iterator or cancelling the task iterating it
         aborts the request and frees its slots.
         """
-        req = self._submit(prompt_ids, params, images, request_id, stream=True)
+        req = self._submit(prompt_ids, params, images, request_id, stream=True,
+                           grammar=await self._compile(params))
         if req is None:
             for i in range(params.n):
                 yield _empty_completion(params, self._version).delta(i)
@@ -230,6 +232,14 @@ class TransformersEngine:
                 # A failure resolving the future after the consumer left is nobody's to read.
                 req.future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
+    async def _compile(self, params: SamplingParams) -> Any:
+        """The request's grammar compiled (GrammarError where it cannot be), in a worker
+        thread: a large schema, or the first grammar's vocabulary scan, takes long enough to
+        stall the caller's event loop (the proxy's, serving every other request)."""
+        if params.grammar is None:
+            return None
+        return await asyncio.to_thread(self.grammars.compile, params.grammar)
+
     def _submit(
         self,
         prompt_ids: Sequence[int],
@@ -238,13 +248,14 @@ class TransformersEngine:
         request_id: str | None,
         *,
         stream: bool,
+        grammar: Any,
     ) -> Request | None:
-        """Validate and queue a request; None when there is nothing to sample (max_tokens=0)."""
+        """Validate and queue a request (with its compiled `grammar`, if any); None when
+        there is nothing to sample (max_tokens=0)."""
         prompt = check_request(
             prompt_ids, params, vocab_size=self.vocab_size, max_context=self._max_context
         )
         vision = self._vision_prompt(prompt, images) if images else None
-        grammar = self.grammars.compile(params.grammar) if params.grammar is not None else None
         if self._closed:
             raise RuntimeError("engine is closed")
         if params.max_tokens == 0:

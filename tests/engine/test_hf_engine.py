@@ -445,6 +445,28 @@ async def test_a_grammar_that_does_not_compile_is_refused_before_queueing(engine
     assert engine.num_waiting == 0 and engine.num_running == 0
 
 
+async def test_compiling_a_grammar_leaves_the_callers_event_loop_free(engine, prompts,
+                                                                      monkeypatch):
+    """A grammar compiles in a worker thread: a slow compile (a large schema, or the first
+    grammar's vocabulary scan) does not stall the loop that serves every other request."""
+    import time
+
+    compile_grammar = engine.grammars.compile
+
+    def slow(ebnf):
+        time.sleep(0.6)
+        return compile_grammar(ebnf)
+
+    monkeypatch.setattr(engine.grammars, "compile", slow)
+    task = asyncio.create_task(engine.generate(
+        prompts[0], dataclasses.replace(GREEDY, max_tokens=3, grammar='root ::= "yes"')))
+    start = time.monotonic()
+    await asyncio.sleep(0.05)  # the request starts compiling, and the loop runs on
+    assert time.monotonic() - start < 0.3
+    [c] = await task
+    assert engine.tokenizer.decode(c.token_ids, skip_special_tokens=True) == "yes"
+
+
 async def test_weight_update_mid_request_is_partial_rollout(tiny_tokenizer, prompts):
     """#16 item 5: an update does not wait for running requests: they go on with the new
     weights. Each token keeps the version that sampled it and that version's log-prob (the
