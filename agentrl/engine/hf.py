@@ -181,7 +181,10 @@ class TransformersEngine:
         Cancelling the awaiting task aborts the request and frees its slots; `abort(request_id)`
         instead makes this call return the tokens so far with finish reason "abort".
         """
-        req = self._submit(prompt_ids, params, images, request_id, stream=False,
+        prompt = check_request(
+            prompt_ids, params, vocab_size=self.vocab_size, max_context=self._max_context
+        )
+        req = self._submit(prompt, params, images, request_id, stream=False,
                            grammar=await self._compile(params))
         if req is None:
             return [_empty_completion(params, self._version) for _ in range(params.n)]
@@ -206,7 +209,10 @@ class TransformersEngine:
         reason (and stop reason). Closing the iterator or cancelling the task iterating it
         aborts the request and frees its slots.
         """
-        req = self._submit(prompt_ids, params, images, request_id, stream=True,
+        prompt = check_request(
+            prompt_ids, params, vocab_size=self.vocab_size, max_context=self._max_context
+        )
+        req = self._submit(prompt, params, images, request_id, stream=True,
                            grammar=await self._compile(params))
         if req is None:
             for i in range(params.n):
@@ -242,7 +248,7 @@ class TransformersEngine:
 
     def _submit(
         self,
-        prompt_ids: Sequence[int],
+        prompt: list[int],
         params: SamplingParams,
         images: Sequence[np.ndarray] | None,
         request_id: str | None,
@@ -250,11 +256,8 @@ class TransformersEngine:
         stream: bool,
         grammar: Any,
     ) -> Request | None:
-        """Validate and queue a request (with its compiled `grammar`, if any); None when
-        there is nothing to sample (max_tokens=0)."""
-        prompt = check_request(
-            prompt_ids, params, vocab_size=self.vocab_size, max_context=self._max_context
-        )
+        """Queue a checked request (with its compiled `grammar`, if any); None when there is
+        nothing to sample (max_tokens=0)."""
         vision = self._vision_prompt(prompt, images) if images else None
         if self._closed:
             raise RuntimeError("engine is closed")
