@@ -441,13 +441,19 @@ class VLLMEngine:
         finally:
             self._release(paused)
 
+    pause_mode = "keep"
+    """What a weight update does with running requests (vLLM's pause mode): "keep" stops them
+    between two steps to go on with the new weights (partial rollout); "wait", the behaviour
+    before partial rollout (benchmarks/partial_rollout.py's baseline), lets them finish on the
+    old weights first, so the update waits for the longest."""
+
     def _hold(self) -> bool:
         """Stop sampling for a weight update: running requests stop between two steps, their
         KV cache dropped, to go on with the new weights; new ones wait. Asleep, generation is
         paused already (sleep mode: wake the weights, the KV cache stays freed). Returns
         whether it paused generation (to resume after)."""
         if not self._asleep:
-            self._call(self.llm.pause_generation(mode="keep", clear_cache=True))
+            self._call(self.llm.pause_generation(mode=self.pause_mode, clear_cache=True))
             return True
         if self._sleep_mode:
             self._call(self.llm.wake_up(tags=["weights"]))
