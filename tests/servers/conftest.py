@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import ssl
+import threading
 from collections.abc import Callable, Iterator
 
 import openai
@@ -22,6 +24,11 @@ def tok():
     return load_tokenizer("tiny")
 
 
+TLS = ssl.create_default_context()
+"""One TLS context for every test's clients: a client builds its own otherwise, reading the CA
+bundle (~20 ms), though the proxy is plain http on loopback."""
+
+
 class Proxy:
     def __init__(self, url: str, engine: FakeEngine, store: SessionStore) -> None:
         self.url = url
@@ -32,26 +39,42 @@ class Proxy:
         base = f"{self.url}/sessions/{session}/v1" if session else f"{self.url}/v1"
         kw.setdefault("max_retries", 0)
         kw.setdefault("api_key", "test")
+        kw.setdefault("http_client", openai.DefaultHttpxClient(verify=TLS))
         return openai.OpenAI(base_url=base, **kw)  # type: ignore[arg-type]
 
 
+@pytest.fixture(scope="package")
+def stopping_proxies() -> Iterator[list[threading.Thread]]:
+    """The threads stopping the proxies of finished tests; all joined when the package ends."""
+    threads: list[threading.Thread] = []
+    yield threads
+    for t in threads:
+        t.join()
+
+
 @pytest.fixture
-def make_proxy(tok) -> Iterator[Callable[..., Proxy]]:
-    with contextlib.ExitStack() as stack:
+def make_proxy(tok, stopping_proxies) -> Iterator[Callable[..., Proxy]]:
+    stack = contextlib.ExitStack()
 
-        def make(engine: FakeEngine | None = None, *, streaming: bool = False,
-                 tokenizer: object = None, store: SessionStore | None = None,
-                 **config: object) -> Proxy:
-            t = tokenizer or tok
-            if engine is None:
-                engine = StreamingFakeEngine(t) if streaming else FakeEngine(t)
-            store = store if store is not None else InMemorySessionStore()
-            app = create_app(engine, t, store,
-                             config=ProxyConfig(**config))  # type: ignore[arg-type]
-            url = stack.enter_context(serve_in_thread(app))
-            return Proxy(url, engine, store)
+    def make(engine: FakeEngine | None = None, *, streaming: bool = False,
+             tokenizer: object = None, store: SessionStore | None = None,
+             **config: object) -> Proxy:
+        t = tokenizer or tok
+        if engine is None:
+            engine = StreamingFakeEngine(t) if streaming else FakeEngine(t)
+        store = store if store is not None else InMemorySessionStore()
+        app = create_app(engine, t, store, config=ProxyConfig(**config))  # type: ignore[arg-type]
+        url = stack.enter_context(serve_in_thread(app))
+        return Proxy(url, engine, store)
 
+    try:
         yield make
+    finally:
+        # uvicorn takes ~0.2 s to stop a server (up to a 0.1 s tick, then a fixed 0.1 s grace),
+        # at the end of each of ~100 tests: a test's proxies stop while the next test runs.
+        stopper = threading.Thread(target=stack.close, name="agentrl-proxy-stop")
+        stopper.start()
+        stopping_proxies.append(stopper)
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ def contains(prompt, response, label):
     if label == "boom":
         raise ValueError("cannot score this one")
     if label == "slow":
-        time.sleep(2.0)
+        time.sleep(1.0)  # past both of the client's tries (2 x 0.3 s); stopping waits it out
     return {"reward": float(label in response), "length": len(response)}
 
 
@@ -85,9 +85,8 @@ def test_malformed_answers_and_unreachable_services_are_errors():
     async def score() -> JSONResponse:
         return JSONResponse({"oops": [1]})
 
-    with serve_in_thread(bad) as url:
-        with pytest.raises(RewardServiceError, match="malformed JSON"):
-            RemoteReward(f"{url}/score", retries=0)("q", "r", None)
+    with serve_in_thread(bad) as url, pytest.raises(RewardServiceError, match="malformed JSON"):
+        RemoteReward(f"{url}/score", retries=0)("q", "r", None)
     with pytest.raises(RewardServiceError, match="did not answer"):
         RemoteReward("http://127.0.0.1:9/score", retries=1, timeout_s=1)("q", "r", None)
 
