@@ -65,14 +65,15 @@ class BroadcastSync:
         from agentrl.engine.vllm_weights import with_tied_head
         from agentrl.engine.weight_broadcast import WeightBroadcaster
 
-        group = tuple(_caller(rollout, "weight_group")())
+        epoch, size = _caller(rollout, "weight_group")()
+        group = (int(epoch), int(size))
         if self.sender is not None and (self.sender.broken or group != self.group):
             self.close()
         if self.sender is None:
             self.sender = WeightBroadcaster(_caller(rollout, "weight_transfer"),
-                                            backend=self.backend, world_size=group[1],
+                                            backend=self.backend, world_size=size,
                                             address=_node_address())
-            self.group = (group[0], group[1])
+            self.group = group
         self.sender.send(with_tied_head(weights, self.tied), version)
 
     def close(self) -> None:

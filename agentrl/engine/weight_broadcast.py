@@ -134,8 +134,7 @@ class FanOut:
         chosen = range(len(self.calls)) if only is None else only
         with ThreadPoolExecutor(max_workers=max(len(chosen), 1)) as pool:
             futures = {i: pool.submit(self.calls[i], step, *per_engine[i]) for i in chosen}
-        return {i: f.exception() for i, f in futures.items()  # type: ignore[misc]
-                if f.exception() is not None}
+        return {i: error for i, f in futures.items() if (error := f.exception()) is not None}
 
 
 def update_info(items: list[tuple[str, torch.Tensor]]) -> dict[str, list]:
