@@ -1,12 +1,12 @@
-"""Peak memory and step time of LoRA against full fine-tuning, on the embedded model.
+"""Peak memory and step time of LoRA and QLoRA against full fine-tuning, on the embedded model.
 
     python benchmarks/lora_memory.py [--model smollm2-135m-instruct] [--steps 3]
 
 Each configuration runs in its own process (peak RSS is per process): `agentrl sft` steps on
 synthetic chats, and RL steps on the digits env (the policy worker in-process, colocated, with a
 KL reference: full fine-tuning keeps a reference copy of the model, LoRA switches its adapters
-off). Prints one table, ratios against full fine-tuning measured in the same run, with the CPU
-model and its vector flags.
+off). QLoRA is LoRA on the base loaded in 4 bits (NF4, bitsandbytes). Prints one table, ratios
+against full fine-tuning measured in the same run, with the CPU model and its vector flags.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from machine import cpu_description  # benchmarks/machine.py
 
 
-def _sft(model: str, steps: int, lora: int) -> dict:
+def _sft(model: str, steps: int, lora: int, four_bit: bool) -> dict:
     import random
     import tempfile
     from pathlib import Path
@@ -42,7 +42,8 @@ def _sft(model: str, steps: int, lora: int) -> dict:
                     micro_batch_size=8, run_dir=str(tmp / "run"), progress=False,
                     tensorboard=False,
                     actor=ActorConfig(model=model, lr=1e-5, lora_rank=lora,
-                                      lora_alpha=2 * lora if lora else 16))
+                                      lora_alpha=2 * lora if lora else 16,
+                                      load_in_4bit=four_bit))
     tok = load_tokenizer(model)
     trainer = SFTTrainer(cfg, load_sft_data(cfg, tok), tok)
     PEAK.start()
@@ -51,10 +52,20 @@ def _sft(model: str, steps: int, lora: int) -> dict:
         t0 = time.perf_counter()
         trainer.train_step(trainer.next_items())
         times.append(time.perf_counter() - t0)
-    return {"step_s": sorted(times)[len(times) // 2]}
+    return {"step_s": sorted(times)[len(times) // 2], "tensors_gib": _tensors(trainer.model)}
 
 
-def _rl(model: str, steps: int, lora: int) -> dict:
+def _tensors(*models: object) -> float:
+    """GiB of the models' state (weights, buffers, bitsandbytes' packing state), each storage
+    counted once (tied weights, a colocated engine's shared model)."""
+    seen: dict[int, int] = {}
+    for model in models:
+        for t in model.state_dict().values():  # type: ignore[attr-defined]
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values()) / 2**30
+
+
+def _rl(model: str, steps: int, lora: int, four_bit: bool) -> dict:
     from trainers.cli import build_config
     from trainers.policy import PolicyWorker
 
@@ -62,6 +73,8 @@ def _rl(model: str, steps: int, lora: int) -> dict:
             "--algo.kl_coef", "0.05", "--rollout.max_new_tokens", "32"]
     if lora:
         argv += ["--actor.lora_rank", str(lora), "--actor.lora_alpha", str(2 * lora)]
+    if four_bit:
+        argv += ["--actor.load_in_4bit", "true"]
     cfg = build_config(argv)
     w = PolicyWorker(cfg)
     PEAK.start()
@@ -71,7 +84,8 @@ def _rl(model: str, steps: int, lora: int) -> dict:
         t0 = time.perf_counter()
         w.train(trajs, 0.05)
         times.append(time.perf_counter() - t0)
-    return {"step_s": sorted(times)[len(times) // 2]}
+    held = [w.model] if w.ref is None else [w.model, w.ref.module]  # full: a reference copy
+    return {"step_s": sorted(times)[len(times) // 2], "tensors_gib": _tensors(*held)}
 
 
 class _Peak:
@@ -108,8 +122,8 @@ class _Peak:
 PEAK = _Peak()
 
 
-def child(kind: str, model: str, steps: int, lora: int) -> None:
-    out = (_sft if kind == "sft" else _rl)(model, steps, lora)
+def child(kind: str, model: str, steps: int, lora: int, four_bit: bool) -> None:
+    out = (_sft if kind == "sft" else _rl)(model, steps, lora, four_bit)
     out["train_gib"] = PEAK.stop()
     out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(json.dumps(out))
@@ -120,34 +134,37 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--child", nargs=2, metavar=("KIND", "LORA"))
+    ap.add_argument("--child", nargs=3, metavar=("KIND", "LORA", "FOUR_BIT"))
     args = ap.parse_args()
     if args.child:
-        child(args.child[0], args.model, args.steps, int(args.child[1]))
+        kind, lora, four_bit = args.child
+        child(kind, args.model, args.steps, int(lora), four_bit == "1")
         return
+    setups = {"full fine-tuning": (0, 0), "LoRA": (args.rank, 0), "QLoRA": (args.rank, 1)}
     rows = []
     for kind in ("sft", "rl"):
         got = {}
-        for lora in (0, args.rank):
+        for name, (lora, four_bit) in setups.items():
             done = subprocess.run(
                 [sys.executable, __file__, "--model", args.model, "--steps", str(args.steps),
-                 "--child", kind, str(lora)], capture_output=True, text=True, check=True)
-            got[lora] = json.loads(done.stdout.strip().splitlines()[-1])
-        full, lo = got[0], got[args.rank]
-        rows.append((kind, full, lo))
-    print(f"CPU: {cpu_description()}; model {args.model}; LoRA rank {args.rank} on every "
+                 "--child", kind, str(lora), str(four_bit)], capture_output=True, text=True,
+                check=True)
+            got[name] = json.loads(done.stdout.strip().splitlines()[-1])
+        rows.append((kind, got))
+    print(f"CPU: {cpu_description()}; model {args.model}; (Q)LoRA rank {args.rank} on every "
           f"linear layer; median step time of {args.steps} steps (RL: the update only)")
-    print("| | full fine-tuning | LoRA | LoRA / full |")
-    print("|---|---|---|---|")
-    for kind, full, lo in rows:
+    print("| | full fine-tuning | LoRA | QLoRA | LoRA / full | QLoRA / full |")
+    print("|---|---|---|---|---|---|")
+    measures = {"the model's tensors (with RL's reference copy)": ("tensors_gib", "GiB"),
+                "peak RSS of the process": ("peak_rss_gib", "GiB"),
+                "memory the steps add (peak during them - RSS before)": ("train_gib", "GiB"),
+                "step time": ("step_s", "s")}
+    for kind, got in rows:
         name = "SFT step (8 x ~130 tokens)" if kind == "sft" else "RL step (KL reference)"
-        print(f"| {name}: peak RSS of the process | {full['peak_rss_gib']:.2f} GiB | "
-              f"{lo['peak_rss_gib']:.2f} GiB | {lo['peak_rss_gib'] / full['peak_rss_gib']:.2f} |")
-        print(f"| {name}: memory the steps add (peak during them - RSS before) | "
-              f"{full['train_gib']:.2f} GiB | {lo['train_gib']:.2f} GiB | "
-              f"{lo['train_gib'] / full['train_gib']:.2f} |")
-        print(f"| {name}: step time | {full['step_s']:.2f} s | {lo['step_s']:.2f} s | "
-              f"{lo['step_s'] / full['step_s']:.2f} |")
+        for what, (key, unit) in measures.items():
+            full, lo, q = (got[s][key] for s in setups)
+            print(f"| {name}: {what} | {full:.2f} {unit} | {lo:.2f} {unit} | {q:.2f} {unit} | "
+                  f"{lo / full:.2f} | {q / full:.2f} |")
 
 
 if __name__ == "__main__":

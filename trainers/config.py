@@ -82,7 +82,9 @@ class ActorConfig:
     """Module names to adapt, e.g. q_proj v_proj (default: every linear layer but the head)."""
     lora_dropout: float = 0.0
     load_in_4bit: bool = False
-    """QLoRA: keep the frozen base in 4 bits (bitsandbytes, CUDA GPUs only); needs lora_rank."""
+    """QLoRA: keep the frozen base's linear layers in 4 bits (NF4, bitsandbytes: CUDA GPUs and
+    CPUs with AVX2); needs lora_rank. The layers compute in --actor.dtype (bf16 under
+    --actor.mixed_precision bf16); memory-bound runs add --actor.gradient_checkpointing."""
 
     def __post_init__(self) -> None:
         if _DEFER.get():

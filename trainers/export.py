@@ -4,7 +4,9 @@ A run trained with `--actor.lora_rank` (train, sft, dpo, rm) saves its adapters 
 RUN_DIR/adapter (peft's format) and the merged model as RUN_DIR/hf at the end (`save_trained`,
 which every trainer ends with, on one rank or many). This command
 merges the adapters of RUN_DIR/adapter, or of another adapter directory (`--adapter`), into
-the base model the run's config.json names and writes a directory that loads without peft.
+the base model the run's config.json names and writes a directory that loads without peft. A
+QLoRA run's adapters merge into its base as the run held it, in 4 bits (dequantized): the
+model it trained, as its own RUN_DIR/hf is.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def export(args: ExportArgs) -> Path:
     config = run / "config.json"
     if not config.is_file():
         raise ValueError(f"{run} is not a run directory (no config.json)")
-    base = json.loads(config.read_text()).get("actor", {}).get("model")
+    actor = json.loads(config.read_text()).get("actor", {})
+    base = actor.get("model")
     adapter = Path(args.adapter) if args.adapter else run / "adapter"
     if not (adapter / "adapter_config.json").is_file():
         raise ValueError(f"{adapter} holds no LoRA adapter (adapter_config.json); was the run "
@@ -71,7 +74,15 @@ def export(args: ExportArgs) -> Path:
         raise ValueError(f"{config} names no base model (actor.model)")  # noqa: TRY004
     from peft import PeftModel
 
-    model = PeftModel.from_pretrained(load_model(base), str(adapter))
+    if actor.get("load_in_4bit"):  # QLoRA: the adapters merge into the 4-bit base they trained on
+        import torch
+
+        from agentrl.models.lora import quantized_base
+
+        frozen = quantized_base(base, actor.get("dtype", "float32"), torch.device("cpu"))
+    else:
+        frozen = load_model(base)
+    model = PeftModel.from_pretrained(frozen, str(adapter))
     out = Path(args.out) if args.out else run / "hf"
     save_merged(model, load_tokenizer(base), out)
     return out

@@ -5,13 +5,15 @@ The trainers keep one model in memory: the reference of RL and DPO is the same m
 adapters switched off (`adapters_off`), and engines that hold their own weights get the merged
 ones, W + scale * B A, under the base model's names (`merged_weights`), as does the final
 export (`save_merged`). A model sharded over ranks (FSDP2, ZeRO) merges the same way, from the
-full state its backend gathers. `load_in_4bit` (QLoRA) quantizes the frozen base with bitsandbytes,
-which needs a CUDA GPU.
+full state its backend gathers. `load_in_4bit` (QLoRA) quantizes the frozen base with bitsandbytes
+(NF4; CUDA GPUs and CPUs alike), whose packed weights the merge dequantizes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,12 @@ import torch
 from torch import Tensor, nn
 
 ALL_LINEAR = "all-linear"
+
+# On CPUs with AVX512-BF16, importing bitsandbytes (peft does whenever it is installed) warns
+# that it could not fetch a faster kernel from the Hugging Face hub and advises installing a
+# package that would download it at run time. agentrl downloads nothing: bitsandbytes' own CPU
+# kernels run, and the advice is noise.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 def with_lora(model: Any, *, rank: int, alpha: int, targets: Sequence[str] = (),
@@ -121,10 +129,10 @@ def merged_weights(model: nn.Module, state: Mapping[str, Tensor] | None = None
     return out
 
 
-def _quant_state(model: nn.Module, name: str, tensor: Tensor) -> Any:
+def _quant_state(model: nn.Module, name: str, tensor: Tensor | None) -> Any:
     """The bitsandbytes quantization state of `name` where it is a 4-bit weight (QLoRA packs
     two values a byte into uint8, `Params4bit.quant_state` says how), else None."""
-    if tensor.dtype != torch.uint8:
+    if tensor is None or tensor.dtype != torch.uint8:
         return None
     try:
         param = model.get_parameter(name)
@@ -139,6 +147,16 @@ def save_merged(model: nn.Module, tokenizer: Any, path: str | Path,
     `merged_weights`."""
     base = model.get_base_model()  # type: ignore[operator]
     weights = merged_weights(model, state)
+    if getattr(base, "hf_quantizer", None) is not None:
+        # QLoRA: transformers saves a quantized model's own packed tensors whatever state dict
+        # it is given, with a config saying so. The merged weights are plain: save them as a
+        # plain model of the same architecture (built on the meta device: no memory).
+        config = copy.deepcopy(base.config)
+        del config.quantization_config
+        generation = base.generation_config
+        with torch.device("meta"):
+            base = type(base)._from_config(config)
+        base.generation_config = generation
     # The state dict of the base model's own layout: peft's wrappers renamed nothing else.
     base.save_pretrained(path, state_dict={k: v.contiguous() for k, v in weights.items()})
     tokenizer.save_pretrained(path)
@@ -150,24 +168,63 @@ def trainable_parameters(model: nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
-def quantized_base(name: str, dtype: str, device: torch.device) -> Any:
-    """The base model in 4 bits (NF4, bf16 compute) for QLoRA; a clear error where
-    bitsandbytes cannot run."""
-    if device.type != "cuda":
-        raise ValueError(f"--actor.load_in_4bit (QLoRA) needs a CUDA GPU (bitsandbytes' 4-bit "
-                         f"kernels); the device is {device}. Use --actor.lora_rank without it")
+def check_4bit_device(device: torch.device) -> None:
+    """ValueError unless bitsandbytes' 4-bit kernels run on `device` here: CUDA GPUs, x86-64
+    CPUs with AVX2 (its minimum) and ARM CPUs."""
     import importlib.util
+    import platform
 
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise ValueError("--actor.load_in_4bit needs bitsandbytes: pip install bitsandbytes")
+        raise ValueError("--actor.load_in_4bit (QLoRA) needs bitsandbytes: "
+                         "pip install bitsandbytes==0.50.2")
+    if device.type == "cpu":
+        arch = platform.machine().lower()
+        if arch in ("x86_64", "amd64"):
+            ok = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+        else:
+            ok = arch in ("aarch64", "arm64")
+        why = f"this CPU ({arch}, {torch.backends.cpu.get_cpu_capability()}) has no AVX2"
+    else:
+        ok, why = device.type == "cuda", f"the device is {device}"
+    if not ok:
+        raise ValueError(f"--actor.load_in_4bit (QLoRA): bitsandbytes' 4-bit kernels run on "
+                         f"CUDA GPUs, x86-64 CPUs with AVX2 and ARM CPUs; {why}. Use "
+                         f"--actor.lora_rank without it (LoRA on the full-precision base)")
+
+
+def quantized_base(name: str, dtype: str, device: torch.device) -> Any:
+    """The frozen base model in 4 bits (NF4) for QLoRA, computing in `dtype` (bf16 matmuls
+    come from --actor.mixed_precision's autocast, as for any weight); a clear error where
+    bitsandbytes cannot run. Gradient checkpointing stays --actor.gradient_checkpointing's."""
+    check_4bit_device(device)
     from peft import prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from agentrl.models import model_dir
+    from agentrl.models import load_model
 
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                               bnb_4bit_compute_dtype=torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir(name)), quantization_config=quant, device_map={"": device.index or 0},
-        dtype=getattr(torch, dtype))
-    return prepare_model_for_kbit_training(model)
+    model = prepare_model_for_kbit_training(load_model(name, dtype=dtype, four_bit_on=device),
+                                            use_gradient_checkpointing=False)
+    for module in model.modules():
+        if _quant_state(module, "weight", module._parameters.get("weight")) is not None:
+            module.register_load_state_dict_pre_hook(_load_packed_weight)
+            # On CPUs with AVX512-BF16, bitsandbytes repacks a layer's weight in place the first
+            # time it runs in eval mode without grad (an eval loss), into a layout only its bf16
+            # inference kernel reads: training then went through that kernel, and the merge
+            # (`dequantize_4bit`) read the repacked bytes as the original ones. Off: every
+            # forward computes as training does.
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = False
+    return model
+
+
+def _load_packed_weight(module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
+    """Load-state hook of a 4-bit layer: a checkpoint holds its packed weight and, beside it,
+    the packing state (`weight.absmax`, `weight.quant_map`, ...), which torch does not expect.
+    The base is frozen, so the checkpoint's packed weight must be the layer's own: it is
+    checked, and the packing state it came with dropped."""
+    key = prefix + "weight"
+    for extra in [k for k in state if k.startswith(key + ".")]:
+        del state[extra]
+    own = module.get_parameter("weight")
+    if key in state and not torch.equal(state[key].to(own.device), own):
+        raise ValueError(f"{key}: the 4-bit base in this checkpoint is not the model's; resume "
+                         f"with the run's own --actor.model")

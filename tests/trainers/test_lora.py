@@ -1,5 +1,6 @@
-"""LoRA (#18 item 4): merged weights are the adapted model's, the reference is the base with the
-adapters off (no copy), only adapters train, runs export a plain model, QLoRA refuses clearly."""
+"""LoRA and QLoRA (#18 item 4): merged weights are the adapted model's, the reference is the base
+with the adapters off (no copy), only adapters train, runs export a plain model; QLoRA runs on
+this CPU with bitsandbytes' 4-bit kernels, and refuses clearly where they cannot run."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from agentrl.models import load_model
 from agentrl.models.lora import (
     adapters_off,
+    load_policy,
     merged_weights,
     save_merged,
     trainable_parameters,
@@ -71,44 +73,70 @@ def test_merged_weights_come_from_the_state_given():
                            base["model.layers.0.self_attn.q_proj.weight"])
 
 
-def test_a_4bit_base_merges_as_the_values_it_stands_for(monkeypatch):
+def _qlora(seed: int = 0):
+    """The tiny model for QLoRA: its linear layers in 4 bits (bitsandbytes' NF4, here on the
+    CPU), rank-4 adapters with something to say."""
+    model = load_policy("tiny", dtype="float32", device=torch.device("cpu"), lora_rank=4,
+                        lora_alpha=8, load_in_4bit=True)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+Q_PROJ = "base_model.model.model.layers.0.self_attn.q_proj.base_layer"
+
+
+def test_a_4bit_base_merges_as_the_values_it_stands_for(tiny_tokenizer):
     """QLoRA: bitsandbytes keeps a frozen weight packed in uint8 (its `quant_state` says how)
-    and saves the state beside it (`weight.absmax`, ...). The merge dequantizes the weight
-    before adding scale * B A and leaves the packing state out: an engine loads plain tensors.
-    (bitsandbytes' dequantization itself needs CUDA: here a stand-in of its function.)"""
-    import sys
-    import types
+    and saves its packing state beside it (`weight.absmax`, ...). The merge dequantizes each
+    packed weight before adding scale * B A and leaves the packing state out: a plain model
+    loads the merged weights and computes what the 4-bit model computes, also after an eval
+    pass (where bitsandbytes would repack the weight in place on AVX512-BF16 CPUs)."""
+    model = _qlora()
+    packed = model.get_parameter(Q_PROJ + ".weight")
+    before = packed.detach().clone()
+    full = load_model("tiny").state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    assert packed.dtype == torch.uint8 and packed.numel() * 2 == full.numel()  # 2 a byte
+    assert not any(p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
+    ids = torch.tensor([tiny_tokenizer.encode("The quick brown fox jumps over")])
+    with torch.no_grad():
+        training = model(input_ids=ids).logits
+        model.eval()
+        adapted = model(input_ids=ids).logits
+        assert torch.equal(packed, before)  # not repacked
+        torch.testing.assert_close(adapted, training, rtol=0, atol=1e-6)
+        merged = merged_weights(model)
+        assert merged.keys() == load_model("tiny").state_dict().keys()  # no packing state
+        plain = load_model("tiny").eval()
+        far = (plain(input_ids=ids).logits - adapted).abs().max()
+        plain.load_state_dict(merged)
+        torch.testing.assert_close(plain(input_ids=ids).logits, adapted, rtol=0, atol=1e-5)
+    assert far > 1e-2  # the 4-bit base and the adapters are not the plain model
+    # NF4 keeps each weight within its block's absmax / 7-ish: close to the base, not equal.
+    b, a = (model.get_parameter(Q_PROJ.replace("base_layer", f"lora_{x}.default") + ".weight")
+            for x in "BA")
+    error = (merged["model.layers.0.self_attn.q_proj.weight"] - 2 * (b @ a) - full).abs()
+    assert 0 < error.mean() < 0.1 * full.abs().mean()
 
-    model = _adapted()
-    name = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
-    dense = model.get_parameter(name).detach().clone()
-    packed = torch.nn.Parameter(torch.zeros(dense.numel() // 2, 1, dtype=torch.uint8),
-                                requires_grad=False)
-    packed.quant_state = object()  # type: ignore[attr-defined]
-    layer = model.get_submodule(name.removesuffix(".weight"))
-    layer.weight = packed
-    calls = []
 
-    def dequantize_4bit(tensor, quant_state):
-        calls.append((tensor, quant_state))
-        return dense
-
-    stub = types.ModuleType("bitsandbytes.functional")
-    stub.dequantize_4bit = dequantize_4bit
-    monkeypatch.setitem(sys.modules, "bitsandbytes", types.ModuleType("bitsandbytes"))
-    monkeypatch.setitem(sys.modules, "bitsandbytes.functional", stub)
-    state = {**model.state_dict(), name + ".absmax": torch.ones(4),
-             name + ".quant_state.bitsandbytes__nf4": torch.zeros(8, dtype=torch.uint8)}
-    merged = merged_weights(model, state)
-    [(tensor, quant)] = calls
-    assert tensor is packed.data or torch.equal(tensor, packed.data)
-    assert quant is packed.quant_state
-    plain = name.replace("base_model.model.", "").replace(".base_layer", "")
-    a, b = (state[name.replace("base_layer", f"lora_{x}.default")] for x in "AB")
-    scale = model.get_submodule(name.removesuffix(".base_layer.weight")).scaling["default"]
-    torch.testing.assert_close(merged[plain], dense + scale * (b @ a))
-    assert not any("absmax" in k or "quant_state" in k for k in merged)
-    assert merged.keys() == load_model("tiny").state_dict().keys()
+def test_a_qlora_checkpoint_loads_back_onto_its_own_base_only():
+    model = _qlora()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert Q_PROJ + ".weight.absmax" in state  # bitsandbytes' packing state, saved beside
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(1.0)
+    model.load_state_dict(state)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, state[name]), name
+    other = dict(state)
+    other[Q_PROJ + ".weight"] = torch.zeros_like(state[Q_PROJ + ".weight"])
+    with pytest.raises(ValueError, match="4-bit base in this checkpoint is not the model's"):
+        model.load_state_dict(other)
 
 
 def _chats(path, n=120):
@@ -123,13 +151,19 @@ def _chats(path, n=120):
 
 
 @pytest.mark.slow
-def test_lora_sft_trains_only_the_adapters_and_exports_a_plain_model(tmp_path, tiny_tokenizer):
+@pytest.mark.parametrize("four_bit", [False, True], ids=["lora", "qlora"])
+def test_lora_sft_trains_only_the_adapters_and_exports_a_plain_model(tmp_path, tiny_tokenizer,
+                                                                      four_bit):
+    """QLoRA too: the export is the model the run trained (the adapters merged into its 4-bit
+    base, dequantized), as a plain directory that loads without bitsandbytes' config, and
+    `agentrl export --merge` writes the same again."""
     from agentrl.cli import main
     from trainers.config import ActorConfig
     from trainers.sft import SFTConfig, SFTTrainer, load_sft_data, run_sft
 
     cfg = SFTConfig(dataset=str(_chats(tmp_path / "chats.jsonl")), eval_fraction=0.1,
-                    actor=ActorConfig(model="tiny", lr=1e-2, lora_rank=8, lora_alpha=16),
+                    actor=ActorConfig(model="tiny", lr=1e-2, lora_rank=8, lora_alpha=16,
+                                      load_in_4bit=four_bit),
                     run_dir=str(tmp_path / "run"), epochs=2, progress=False,
                     tensorboard=False)
     trainer = SFTTrainer(cfg, load_sft_data(cfg, tiny_tokenizer), tiny_tokenizer)
@@ -145,6 +179,19 @@ def test_lora_sft_trains_only_the_adapters_and_exports_a_plain_model(tmp_path, t
     run = tmp_path / "run"
     assert (run / "adapter" / "adapter_config.json").is_file()
     exported = load_model(str(run / "hf"))  # a plain model: loads without peft
+    assert "quantization_config" not in json.loads((run / "hf" / "config.json").read_text())
+    if four_bit:  # the export computes what the trained 4-bit model computes
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        trained = load_policy("tiny", dtype="float32", device=torch.device("cpu"),
+                              lora_rank=8, lora_alpha=16, load_in_4bit=True)
+        set_peft_model_state_dict(trained, load_file(run / "adapter" /
+                                                     "adapter_model.safetensors"))
+        ids = torch.tensor([tiny_tokenizer.encode("Repeat: apple river")])
+        with torch.no_grad():
+            torch.testing.assert_close(exported.eval()(input_ids=ids).logits,
+                                       trained.eval()(input_ids=ids).logits, rtol=0, atol=1e-5)
     assert main(["export", str(run), "--merge", "--out", str(tmp_path / "again")]) == 0
     again = load_model(str(tmp_path / "again"))
     for (n, a), (_, b) in zip(exported.state_dict().items(), again.state_dict().items(),
@@ -185,13 +232,28 @@ def test_lora_rl_keeps_no_reference_copy_and_its_reference_is_the_base(tiny_toke
     assert set(merged) == set(base.state_dict())
 
 
-def test_qlora_needs_a_gpu_and_lora_settings_are_checked():
-    from agentrl.models.lora import load_policy
+def test_qlora_refuses_what_bitsandbytes_cannot_run_and_lora_settings_are_checked(
+        monkeypatch):
+    import importlib.util
+    import platform
+
+    from agentrl.models.lora import check_4bit_device
     from trainers.config import ActorConfig
 
-    with pytest.raises(ValueError, match="needs a CUDA GPU"):
-        load_policy("tiny", dtype="float32", device=torch.device("cpu"), lora_rank=8,
+    check_4bit_device(torch.device("cpu"))  # this machine: x86-64 with AVX2 at least
+    with pytest.raises(ValueError, match="4-bit kernels run on CUDA GPUs.*the device "
+                                         "is mps"):
+        load_policy("tiny", dtype="float32", device=torch.device("mps"), lora_rank=8,
                     load_in_4bit=True)
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    with pytest.raises(ValueError, match=r"this CPU \(x86_64, DEFAULT\) has no AVX2"):
+        check_4bit_device(torch.device("cpu"))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a))
+    with pytest.raises(ValueError, match="needs bitsandbytes: pip install bitsandbytes"):
+        check_4bit_device(torch.device("cuda"))
     with pytest.raises(ValueError, match="set --actor.lora_rank too"):
         ActorConfig(load_in_4bit=True)
     with pytest.raises(ValueError, match="this model's linear layers are"):
@@ -199,16 +261,19 @@ def test_qlora_needs_a_gpu_and_lora_settings_are_checked():
 
 
 @pytest.mark.slow
-def test_lora_grpo_learns_the_digits_env(tmp_path):
+@pytest.mark.parametrize("four_bit", [False, True], ids=["lora", "qlora"])
+def test_lora_grpo_learns_the_digits_env(tmp_path, four_bit):
     """LoRA adapters (lm_head included: the tiny model's answer is mostly its head) learn the
-    toy task GRPO learns with full fine-tuning."""
+    toy task GRPO learns with full fine-tuning; so do QLoRA's, on the 4-bit base (the colocated
+    engine samples from it)."""
     from trainers.cli import main
 
     run = tmp_path / "run"
     argv = ["--env", "digits", "--algo.estimator", "group_norm", "--actor.lora_rank", "16",
             "--actor.lora_alpha", "32", "--actor.lr", "1e-2", "--actor.lora_targets", "q_proj",
             "v_proj", "up_proj", "down_proj", "lm_head", "--steps", "16", "--use_ray", "false",
-            "--run_dir", str(run), "--progress", "false", "--tensorboard", "false"]
+            "--run_dir", str(run), "--progress", "false", "--tensorboard", "false",
+            "--actor.load_in_4bit", str(four_bit).lower()]
     assert main(argv) == 0
     rewards = [json.loads(x)["reward"] for x in (run / "metrics.jsonl").read_text().split("\n")
                if '"reward"' in x]

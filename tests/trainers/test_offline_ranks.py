@@ -157,3 +157,45 @@ def test_two_workers_train_the_adapters_one_process_does(ray_cluster, tmp_path, 
         held = sum(p.numel() for rank in optim for p in rank["single_partition_of_fp32_groups"])
     trainable, _ = trainable_parameters(with_lora(load_model("tiny"), rank=4, alpha=8))
     assert held == trainable
+
+
+def test_two_zero2_workers_train_the_qlora_adapters_one_process_does(ray_cluster, tmp_path):
+    """QLoRA over ranks: ZeRO-2 keeps the 4-bit base whole on each rank (bitsandbytes' packed
+    weights) and shards what trains. Two ranks give one process's held-out losses, adapters and
+    merged export; the checkpoint holds the packed base as it was loaded."""
+    pytest.importorskip("deepspeed")
+    from safetensors.torch import load_file
+
+    from agentrl.models import load_model
+    from agentrl.models.lora import load_policy
+    from trainers.checkpoint import load_checkpoint
+
+    def run(name: str, **kw):
+        from trainers.sft import SFTConfig, run_sft
+
+        actor = ActorConfig(model="tiny", lr=1e-2, lora_rank=4, lora_alpha=8, load_in_4bit=True)
+        return run_sft(SFTConfig(actor=actor, run_dir=str(tmp_path / name),
+                                 dataset=_rows(tmp_path / "sft.jsonl", "sft"), eval_fraction=0.1,
+                                 batch_size=16, micro_batch_size=4, progress=False,
+                                 tensorboard=False, seed=3, **kw))
+
+    one = run("one", backend="local")
+    two = run("two", num_workers=2, backend="deepspeed", zero_stage=2)
+    assert two["steps"] == one["steps"] == 3
+    assert one["eval_after"]["eval/loss"] < one["eval_before"]["eval/loss"] - 0.1
+    for when in ("eval_before", "eval_after"):
+        assert two[when]["eval/loss"] == pytest.approx(one[when]["eval/loss"], rel=1e-3), when
+    adapters = [load_file(tmp_path / r / "adapter" / "adapter_model.safetensors")
+                for r in ("one", "two")]
+    assert adapters[0].keys() == adapters[1].keys() and adapters[0]
+    for k in adapters[0]:
+        torch.testing.assert_close(adapters[1][k], adapters[0][k], rtol=1e-3, atol=1e-4)
+    merged = [load_model(r["hf_model"]).state_dict() for r in (one, two)]
+    for k in merged[0]:
+        torch.testing.assert_close(merged[1][k], merged[0][k], rtol=1e-3, atol=1e-4)
+    state, _, _ = load_checkpoint(two["checkpoint"])
+    loaded = load_policy("tiny", dtype="float32", device=torch.device("cpu"), lora_rank=4,
+                         lora_alpha=8, load_in_4bit=True).state_dict()
+    saved = state["backend"]["model"]
+    packed = [k for k, v in loaded.items() if v.dtype == torch.uint8 and k.endswith(".weight")]
+    assert packed and all(torch.equal(saved[k], loaded[k]) for k in packed)

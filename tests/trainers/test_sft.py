@@ -106,14 +106,23 @@ def test_trajectories_train_on_their_recorded_tokens_filtered_by_reward(tmp_path
 
 
 @pytest.mark.slow
-def test_resume_continues_exactly(tmp_path):
+@pytest.mark.parametrize("qlora", [False, True], ids=["full", "qlora"])
+def test_resume_continues_exactly(tmp_path, qlora):
+    """Also QLoRA's: its checkpoints hold the packed 4-bit base with bitsandbytes' packing
+    state beside it, which loads back onto the run's own base."""
+    from trainers.config import ActorConfig
+
+    actor = (ActorConfig(model="tiny", lr=1e-2, lora_rank=4, lora_alpha=8, load_in_4bit=True)
+             if qlora else ActorConfig(model="tiny", lr=1e-3))
     data = str(_chats(tmp_path / "chats.jsonl", n=60))
-    whole = _cfg(tmp_path, dataset=data, max_steps=4, batch_size=8, run_dir=str(tmp_path / "a"))
+    whole = _cfg(tmp_path, dataset=data, max_steps=4, batch_size=8, run_dir=str(tmp_path / "a"),
+                 actor=actor)
     run_sft(whole)
-    half = _cfg(tmp_path, dataset=data, max_steps=2, batch_size=8, run_dir=str(tmp_path / "b"))
+    half = _cfg(tmp_path, dataset=data, max_steps=2, batch_size=8, run_dir=str(tmp_path / "b"),
+                actor=actor)
     run_sft(half)
     resumed = _cfg(tmp_path, dataset=data, max_steps=4, batch_size=8,
-                   run_dir=str(tmp_path / "b"), resume="auto")
+                   run_dir=str(tmp_path / "b"), resume="auto", actor=actor)
     run_sft(resumed)
 
     def losses(run):
