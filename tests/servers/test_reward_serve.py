@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from agentrl.envs.reward import RemoteReward, RewardServiceError
@@ -47,6 +47,23 @@ def test_concurrent_episodes_are_scored_in_batches(service):
         float(str(i % 3) in f"answer {i}") for i in range(16)]
     assert out[3]["length"] == len("answer 3")  # the function's extra keys come back as info
     assert client.requests < 16  # gathered: one request carries many episodes
+
+
+def test_batches_share_one_connection():
+    """One kept-alive connection for every batch (and retry), not one per batch."""
+    app, ports = FastAPI(), []
+
+    @app.post("/score")
+    async def score(request: Request) -> JSONResponse:
+        assert request.client is not None
+        ports.append(request.client.port)
+        items = (await request.json())["items"]
+        return JSONResponse({"rewards": [float(len(i["response"])) for i in items]})
+
+    with serve_in_thread(app) as url:
+        client = RemoteReward(f"{url}/score", window_s=0.0)
+        assert [client("q", "r" * n, None)["reward"] for n in (1, 2, 3)] == [1.0, 2.0, 3.0]
+    assert len(ports) == 3 and len(set(ports)) == 1, ports
 
 
 def test_an_item_the_function_cannot_score_fails_alone_without_retries(service):
