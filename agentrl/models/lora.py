@@ -207,9 +207,10 @@ def quantized_base(name: str, dtype: str, device: torch.device) -> Any:
         if _quant_state(module, "weight", module._parameters.get("weight")) is not None:
             module.register_load_state_dict_pre_hook(_load_packed_weight)
             # On CPUs with AVX512-BF16, bitsandbytes repacks a layer's weight in place the first
-            # time it runs in eval mode without grad (an eval loss), into a layout only its bf16
-            # inference kernel reads: training then went through that kernel, and the merge
-            # (`dequantize_4bit`) read the repacked bytes as the original ones. Off: every
+            # time it runs in eval mode without grad (an eval loss), into a layout for its bf16
+            # inference kernel, which every later pass then takes. Measured on the tiny model
+            # after one eval pass: the next training pass gave layer 0's adapters a zero
+            # gradient, and the merged weights computed logits 0.02 off the model's. Off: every
             # forward computes as training does.
             if hasattr(module, "support_avx512bf16_for_cpu"):
                 module.support_avx512bf16_for_cpu = False
