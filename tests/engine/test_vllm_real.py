@@ -245,7 +245,7 @@ async def test_an_update_mid_request_is_a_partial_rollout(engine, model, tiny_to
     each token carries the version that sampled it and that version's log-prob, given
     everything before it, streamed or not."""
     prompt = tiny_tokenizer.encode("hello world")
-    params = SamplingParams(temperature=1.0, max_tokens=64, n=2, seed=11, logprobs=True)
+    params = SamplingParams(temperature=1.0, max_tokens=200, n=2, seed=11, logprobs=True)
     new = _perturbed(model, seed=1)
     start = engine.version
     processor = engine.llm.output_processor
