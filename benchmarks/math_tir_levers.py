@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -55,6 +56,9 @@ LEVERS: dict[str, tuple[str, list[str]]] = {
 def run(name: str, out_dir: Path) -> dict:
     _, extra = LEVERS[name]
     run_dir = out_dir / name
+    # A fresh run: `agentrl train` appends to an existing run's metrics, which would mix an
+    # earlier invocation's steps into this row.
+    shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [AGENTRL, "train", "--env", "math-tir", *extra, "--run_dir", str(run_dir),
            "--progress", "false"]
     t0 = time.perf_counter()
