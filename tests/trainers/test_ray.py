@@ -18,7 +18,12 @@ def _metrics(run_dir):
 
 
 def test_placed_async_mode_syncs_weights_to_a_separate_actor(ray_cluster, make_cfg):
-    cfg = make_cfg(use_ray=True, steps=4, rollout={"mode": "placed", "async_depth": 1})
+    # 16 epochs a step make an update (~0.4 s) outlast the next batch's first tokens: with the
+    # default 1 (~0.06 s against a ~0.2 s collect) an update could land before the batch ahead
+    # sampled anything, so that (partial rollout) it was all the new version: lag 0 at every
+    # step, as one CI run saw.
+    cfg = make_cfg(use_ray=True, steps=4, epochs_per_step=16,
+                   rollout={"mode": "placed", "async_depth": 1})
     trainer = Trainer(cfg)
     trainer.run()
     rows = _metrics(cfg.run_dir)
