@@ -181,11 +181,8 @@ class TransformersEngine:
         Cancelling the awaiting task aborts the request and frees its slots; `abort(request_id)`
         instead makes this call return the tokens so far with finish reason "abort".
         """
-        prompt = check_request(
-            prompt_ids, params, vocab_size=self.vocab_size, max_context=self._max_context
-        )
-        req = self._submit(prompt, params, images, request_id, stream=False,
-                           grammar=await self._compile(params))
+        prompt, grammar = await self._checked(prompt_ids, params)
+        req = self._submit(prompt, params, images, request_id, stream=False, grammar=grammar)
         if req is None:
             return [_empty_completion(params, self._version) for _ in range(params.n)]
         try:
@@ -209,11 +206,8 @@ class TransformersEngine:
         reason (and stop reason). Closing the iterator or cancelling the task iterating it
         aborts the request and frees its slots.
         """
-        prompt = check_request(
-            prompt_ids, params, vocab_size=self.vocab_size, max_context=self._max_context
-        )
-        req = self._submit(prompt, params, images, request_id, stream=True,
-                           grammar=await self._compile(params))
+        prompt, grammar = await self._checked(prompt_ids, params)
+        req = self._submit(prompt, params, images, request_id, stream=True, grammar=grammar)
         if req is None:
             for i in range(params.n):
                 yield _empty_completion(params, self._version).delta(i)
@@ -238,13 +232,18 @@ class TransformersEngine:
                 # A failure resolving the future after the consumer left is nobody's to read.
                 req.future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
-    async def _compile(self, params: SamplingParams) -> Any:
-        """The request's grammar compiled (GrammarError where it cannot be), in a worker
-        thread: a large schema, or the first grammar's vocabulary scan, takes long enough to
-        stall the caller's event loop (the proxy's, serving every other request)."""
+    async def _checked(self, prompt_ids: Sequence[int], params: SamplingParams
+                       ) -> tuple[list[int], Any]:
+        """The request checked (`check_request`), and its grammar compiled (GrammarError where
+        it cannot be; None without one) in a worker thread: a large schema, or the first
+        grammar's vocabulary scan, takes long enough to stall the caller's event loop (the
+        proxy's, serving every other request)."""
+        prompt = check_request(
+            prompt_ids, params, vocab_size=self.vocab_size, max_context=self._max_context
+        )
         if params.grammar is None:
-            return None
-        return await asyncio.to_thread(self.grammars.compile, params.grammar)
+            return prompt, None
+        return prompt, await asyncio.to_thread(self.grammars.compile, params.grammar)
 
     def _submit(
         self,
