@@ -30,7 +30,7 @@ def _rows(path, kind: str, n: int = 44) -> str:
     return str(path)
 
 
-def _run(kind: str, tmp_path, name: str, *, lora_rank: int = 0, **kw):
+def _run(kind: str, tmp_path, name: str, *, lora_rank: int = 0, four_bit: bool = False, **kw):
     from trainers.dpo import DPOConfig, run_dpo
     from trainers.rm import RMConfig, run_rm
     from trainers.sft import SFTConfig, run_sft
@@ -39,7 +39,7 @@ def _run(kind: str, tmp_path, name: str, *, lora_rank: int = 0, **kw):
                    "rm": (RMConfig, run_rm)}[kind]
     # Adapters start as no change (B = 0): a larger step makes them say something.
     actor = ActorConfig(model="tiny", lr=1e-2 if lora_rank else 1e-3, lora_rank=lora_rank,
-                        lora_alpha=2 * lora_rank or 16)
+                        lora_alpha=2 * lora_rank or 16, load_in_4bit=four_bit)
     # 44 rows, ~4 held out: steps of 16, 16 and a short last one; 2 micro-batches per rank.
     cfg = config(actor=actor, run_dir=str(tmp_path / name),
                  dataset=_rows(tmp_path / f"{kind}.jsonl", kind), eval_fraction=0.1,
@@ -170,17 +170,9 @@ def test_two_zero2_workers_train_the_qlora_adapters_one_process_does(ray_cluster
     from agentrl.models.lora import load_policy
     from trainers.checkpoint import load_checkpoint
 
-    def run(name: str, **kw):
-        from trainers.sft import SFTConfig, run_sft
-
-        actor = ActorConfig(model="tiny", lr=1e-2, lora_rank=4, lora_alpha=8, load_in_4bit=True)
-        return run_sft(SFTConfig(actor=actor, run_dir=str(tmp_path / name),
-                                 dataset=_rows(tmp_path / "sft.jsonl", "sft"), eval_fraction=0.1,
-                                 batch_size=16, micro_batch_size=4, progress=False,
-                                 tensorboard=False, seed=3, **kw))
-
-    one = run("one", backend="local")
-    two = run("two", num_workers=2, backend="deepspeed", zero_stage=2)
+    qlora = {"lora_rank": 4, "four_bit": True}
+    one = _run("sft", tmp_path, "one", backend="local", **qlora)
+    two = _run("sft", tmp_path, "two", num_workers=2, backend="deepspeed", zero_stage=2, **qlora)
     assert two["steps"] == one["steps"] == 3
     assert one["eval_after"]["eval/loss"] < one["eval_before"]["eval/loss"] - 0.1
     for when in ("eval_before", "eval_after"):
