@@ -69,7 +69,7 @@ def main() -> None:
                                    add_generation_prompt=True, tokenize=False)
     prompt = tok.encode(text, add_special_tokens=False)
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=0,
-                            logit_bias=tuple((e, -100.0) for e in {tok.eos_token_id}))
+                            logit_bias=((tok.eos_token_id, -100.0),))
     weights = load_model(args.model).state_dict()
     print(f"CPU: {cpu_description()}")
     print(f"vLLM engine, {args.model}: {args.requests} requests x {args.max_tokens} tokens; "

@@ -178,12 +178,12 @@ def check_4bit_device(device: torch.device) -> None:
         raise ValueError("--actor.load_in_4bit (QLoRA) needs bitsandbytes: "
                          "pip install bitsandbytes==0.50.2")
     if device.type == "cpu":
-        arch = platform.machine().lower()
+        arch, capability = platform.machine().lower(), torch.backends.cpu.get_cpu_capability()
         if arch in ("x86_64", "amd64"):
-            ok = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+            ok = capability in ("AVX2", "AVX512")
         else:
             ok = arch in ("aarch64", "arm64")
-        why = f"this CPU ({arch}, {torch.backends.cpu.get_cpu_capability()}) has no AVX2"
+        why = f"this CPU ({arch}, {capability}) has no AVX2"
     else:
         ok, why = device.type == "cuda", f"the device is {device}"
     if not ok:
