@@ -36,10 +36,12 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# ruff and mypy (its settings and the packages it checks are in pyproject.toml), both pinned.
+# ruff, mypy and import-linter (their settings are in pyproject.toml), all pinned. import-linter
+# holds the layers of docs/architecture.md; its two extra contract types live in tools/.
 lint: setup
-	$(BIN)/ruff check agentrl environments servers trainers
+	$(BIN)/ruff check agentrl environments servers trainers tools
 	$(BIN)/mypy
+	PYTHONPATH=. $(BIN)/lint-imports --no-cache
 
 train: setup
 	$(BIN)/agentrl train --env math-tir

@@ -1,5 +1,7 @@
 """The `agentrl` command. Each subcommand lives in its own module and is imported only when
-run, so `agentrl --help` is instant and `agentrl envs` never loads torch.
+run, so `agentrl --help` is instant and `agentrl envs` never loads torch. The library's own
+commands are listed here; trainers/ and servers/ add theirs through the `agentrl.commands`
+entry-point group, as any installed package may.
 
 Flags are spelled with underscores in every subcommand (`--max_new_tokens`,
 `--rollout.n_samples_per_prompt`); the hyphenated spelling is accepted everywhere as an alias."""
@@ -9,41 +11,49 @@ from __future__ import annotations
 import importlib
 import sys
 
+COMMAND_ENTRY_POINT_GROUP = "agentrl.commands"
+"""Upper layers add commands through this entry-point group: each entry names a dict like
+`LIBRARY_COMMANDS` (trainers/commands.py, servers/commands.py), imported without torch."""
+
 # name -> ("module:function", one-line help). Functions take argv (list[str]) and return an
 # exit code.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "train": (
-        "trainers.cli:main",
-        "run RL training on an environment (agentrl train --env math-tir)",
-    ),
-    "sft": ("trainers.sft:main",
-            "supervised fine-tuning on chat data or on agentrl trajectories (rejection sampling)"),
-    "dpo": ("trainers.dpo:main", "preference optimisation: DPO, conservative DPO, IPO"),
-    "rm": ("trainers.rm:main", "train a pairwise (Bradley-Terry) reward model"),
-    "export": ("trainers.export:main",
-               "write a LoRA run's model with its adapters merged (agentrl export RUN --merge)"),
+LIBRARY_COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("agentrl.rollout.evaluate:main", "evaluate a model on an environment: pass@1, pass@k"),
     "rollout": ("agentrl.rollout.cli:main", "sample trajectories from an env and write JSON lines"),
-    "serve": ("servers.cli:main", "serve a model through the recording OpenAI-compatible proxy"),
-    "reward-serve": ("servers.reward_serve:main",
-                     "serve a reward function over HTTP (for agentrl train --reward.url)"),
     "envs": ("agentrl.envs.cli:main", "list registered environments"),
-    "plot": ("trainers.plot:main", "plot a run's metrics to PNG curves"),
 }
 
 
-def _usage() -> str:
-    width = max(map(len, COMMANDS))
+def commands() -> dict[str, tuple[str, str]]:
+    """Every command: the library's and those installed packages add (a broken provider is
+    skipped with a warning, so the others still run)."""
+    import importlib.metadata
+    import logging
+
+    found: dict[str, tuple[str, str]] = {}
+    for ep in sorted(importlib.metadata.entry_points(group=COMMAND_ENTRY_POINT_GROUP),
+                     key=lambda ep: ep.name):
+        try:
+            found.update(ep.load())
+        except Exception as e:  # noqa: BLE001 (one broken provider must not hide the rest)
+            logging.getLogger(__name__).warning(
+                "agentrl command provider %r (%s) failed to load: %s", ep.name, ep.value, e)
+    return {**found, **LIBRARY_COMMANDS}
+
+
+def _usage(table: dict[str, tuple[str, str]]) -> str:
+    width = max(map(len, table))
     lines = ["usage: agentrl <command> [options]", "", "commands:"]
-    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in table.items()]
     lines += ["", "Run `agentrl <command> --help` for a command's options."]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    table = commands()
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(_usage())
+        print(_usage(table))
         return 0
     if argv[0] in ("-V", "--version"):
         from agentrl import __version__
@@ -51,14 +61,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agentrl {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
+    if name not in table:
         import difflib
 
-        hint = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = difflib.get_close_matches(name, table, n=1)
         did_you_mean = f" Did you mean {hint[0]!r}?" if hint else ""
-        print(f"agentrl: unknown command {name!r}.{did_you_mean}\n\n{_usage()}", file=sys.stderr)
+        print(f"agentrl: unknown command {name!r}.{did_you_mean}\n\n{_usage(table)}",
+              file=sys.stderr)
         return 2
-    module, _, func = COMMANDS[name][0].partition(":")
+    module, _, func = table[name][0].partition(":")
     return int(getattr(importlib.import_module(module), func)(underscored(rest)) or 0)
 
 

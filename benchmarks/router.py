@@ -1,4 +1,4 @@
-"""The engine router (trainers/router.py): throughput over N engines and its added latency.
+"""The engine router (agentrl/engine/router.py): throughput over N engines and its added latency.
 
     python benchmarks/router.py                      # fake engines (no model)
     python benchmarks/router.py --real 2             # + 2 real transformers engines vs 1
@@ -25,7 +25,7 @@ from machine import cpu_description  # benchmarks/machine.py
 
 from agentrl.engine.affinity import conversation
 from agentrl.types import Completion, SamplingParams
-from trainers.router import EngineRouter
+from agentrl.engine.router import EngineRouter
 
 
 class FixedLatencyEngine:

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import httpx
 from fastapi import FastAPI
 
-from agentrl.envs.reward import RewardServiceError
+from agentrl.rewards import RewardServiceError
 from agentrl.types import Trajectory, group_name
 from servers.serving import serve_in_thread
 
@@ -46,7 +46,7 @@ def remote_agent_reward(url: str, **options: Any) -> RewardFn:
     "label": task["label"] if the task has one}, batched with concurrent episodes. A failure
     raises `RewardServiceError`, which `run_agents` turns into a discarded, counted episode.
     `options`: `RemoteReward`'s (timeout_s, retries, max_batch)."""
-    from agentrl.envs.reward import RemoteReward
+    from agentrl.rewards import RemoteReward
 
     service = RemoteReward(url, **options)
 

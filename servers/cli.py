@@ -40,7 +40,7 @@ class ServeArgs:
     tensor_parallel_size: int = 1
     """vllm: GPUs per engine (tensor parallel)."""
     engines: int = 1
-    """Engines behind one router (trainers/router.py): each call goes to the least loaded,
+    """Engines behind one router (agentrl/engine/router.py): each call goes to the least loaded,
     every call of a session to the same one. On GPUs each engine gets its own GPU."""
     gpu_memory_utilization: float = 0.5
     """vllm on GPUs: the fraction of each GPU's memory for weights and KV cache."""
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
 
-        from trainers.router import EngineRouter, engine_devices
+        from agentrl.engine.router import EngineRouter, engine_devices
 
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         places = engine_devices(args.engines, args.device, gpus=torch.cuda.device_count(),

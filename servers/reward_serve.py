@@ -4,7 +4,7 @@
       -> {"rewards": [float | null, ...], "infos": [{...}, ...], "errors": [null | str, ...]}
 
 Training runs reach it with `agentrl train --dataset data.jsonl --reward.url
-http://HOST:PORT/score` (batched, with timeouts and retries: `agentrl.envs.reward.RemoteReward`).
+http://HOST:PORT/score` (batched, with timeouts and retries: `agentrl.rewards.RemoteReward`).
 The function runs in worker threads, never on the event loop. An item whose function call
 raises or returns no number gets a null reward and its error (the others are scored); the
 training run discards that episode and counts it.
@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from tyro.conf import Positional
 
-from agentrl.envs.reward import RewardFn, RewardFunctionError, call_reward_fn
+from agentrl.rewards import RewardFn, RewardFunctionError, call_reward_fn
 from servers.errors import install_error_handlers
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     import tyro
     import uvicorn
 
-    from agentrl.envs.reward import reward_fn_from_spec
+    from agentrl.rewards import reward_fn_from_spec
 
     args = tyro.cli(RewardServeArgs, args=argv, prog="agentrl reward-serve",
                     use_underscores=True)

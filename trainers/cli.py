@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from trainers.config import TrainConfig, config_from_dict
+from trainers.flags import bool_values, quiet_third_party
 from trainers.presets import PRESETS, preset_for
 
 
@@ -41,7 +42,7 @@ def build_config(argv: list[str]) -> TrainConfig:
         file_cfg = json.loads(path.read_text())
     dataset = any(a == "--dataset.path" or a.startswith("--dataset.path=") for a in argv)
     env = known.env or file_cfg.get("env") or ("single-turn" if dataset else TrainConfig().env)
-    rest = bool_values(_drop_flag(_drop_flag(argv, "--config"), "--preset"))
+    rest = bool_values(_drop_flag(_drop_flag(argv, "--config"), "--preset"), TrainConfig)
 
     import tyro
 
@@ -75,35 +76,6 @@ def _dataset_shorthand(argv: list[str]) -> list[str]:
     return out
 
 
-def _bool_flags(cls: type, prefix: str = "--") -> set[str]:
-    """The flags of boolean fields of a config dataclass, nested sections included."""
-    import dataclasses
-    import typing
-
-    flags = set()
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        kind = hints[f.name]
-        if kind is bool:
-            flags.add(prefix + f.name)
-        elif isinstance(kind, type) and dataclasses.is_dataclass(kind):
-            flags |= _bool_flags(kind, f"{prefix}{f.name}.")
-    return flags
-
-
-def bool_values(argv: list[str]) -> list[str]:
-    """Accept any case for boolean values (`--use_ray false`), as tyro takes only True/False."""
-    flags, out = _bool_flags(TrainConfig), []
-    for i, a in enumerate(argv):
-        flag, eq, value = a.partition("=")
-        if eq and flag in flags and value.lower() in ("true", "false"):
-            a = f"{flag}={value.capitalize()}"
-        elif i and argv[i - 1] in flags and a.lower() in ("true", "false"):
-            a = a.capitalize()
-        out.append(a)
-    return out
-
-
 def _drop_flag(argv: list[str], flag: str) -> list[str]:
     out, skip = [], False
     for a in argv:
@@ -129,18 +101,3 @@ def main(argv: list[str]) -> int:
     from trainers.controller_run import run
 
     return run(cfg)
-
-
-def quiet_third_party() -> None:
-    """Silence what other libraries print unasked during a run: Hugging Face's progress bars
-    (a "Writing model shards" bar per checkpoint, the GGUF conversion's), and DeepSpeed's
-    "Setting accelerator to CPU" warning (transformers imports DeepSpeed to save a model).
-    As environment variables, so Ray workers started after this inherit them; a value the user
-    set is kept."""
-    import os
-
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    if "DS_ACCELERATOR" not in os.environ:
-        import torch
-
-        os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"

@@ -189,7 +189,7 @@ class AlgoConfig:
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError("--algo.kl_coef and --algo.entropy_coef must be >= 0")
         if self.critic_init is not None:
-            from trainers.rm import check_reward_model
+            from agentrl.models.value import check_reward_model
 
             if self.estimator != "gae":
                 raise ValueError("--algo.critic_init starts PPO's critic; it needs "
@@ -234,7 +234,7 @@ class RolloutConfig:
     """vllm on GPUs: offload the engine's weights and free its KV cache while the trainer updates
     (vLLM's CUDA sleep mode)."""
     num_engines: int = 1
-    """Placed mode: engines behind one router (trainers/router.py), each with its own copy of
+    """Placed mode: engines behind one router (agentrl/engine/router.py), each with its own copy of
     the weights (and GPU); a group's episodes stay on one engine for all their turns."""
     mode: Literal["colocated", "placed"] = "colocated"
     """colocated: engine and policy share the weights in one actor (free weight sync);
@@ -345,7 +345,7 @@ class RewardConfig:
             raise ValueError("pass --reward.url (a reward service) or --reward.model (a reward "
                              "model), not both")
         if self.model is not None:
-            from trainers.rm import check_reward_model
+            from agentrl.models.value import check_reward_model
 
             check_reward_model(self.model, "--reward.model")
         if self.num_gpus < 0:
@@ -555,7 +555,7 @@ class TrainConfig:
             raise ValueError(f"--dataset trains the single-turn env, but --env is {self.env}; "
                              f"drop --env (or pass --env single-turn)")
         from agentrl.data import read_rows
-        from agentrl.envs.reward import reward_fn_from_spec
+        from agentrl.rewards import reward_fn_from_spec
 
         for path in filter(None, (self.dataset.path, self.dataset.eval_path)):
             # Every row is read and checked here, before any model loads (the key's flag:
@@ -566,10 +566,10 @@ class TrainConfig:
             reward_fn_from_spec(self.reward_fn)
 
     def single_turn_kwargs(self, *, eval_split: bool) -> dict[str, object]:
-        """The single-turn env's arguments (`agentrl.envs.reward.SingleTurnEnv`)."""
+        """The single-turn env's arguments (`agentrl.rewards.SingleTurnEnv`)."""
         d, r = self.dataset, self.reward
         path = d.eval_path if eval_split and d.eval_path else d.path
-        from agentrl.envs.reward import REWARD_MODEL_PREFIX
+        from agentrl.rewards import REWARD_MODEL_PREFIX
 
         remote: dict[str, object] = {}
         spec = self.reward_fn

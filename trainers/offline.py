@@ -504,12 +504,13 @@ def cli_main(config_cls: type[C], run: Callable[[C], dict[str, Any]], prog: str,
     summary; a ValueError is a clear message and exit code 2."""
     import tyro
 
-    from trainers.cli import bool_values, quiet_third_party
+    from trainers.flags import bool_values, quiet_third_party
 
     try:
         with deferred_validation():
-            cfg = tyro.cli(config_cls, args=bool_values(argv), prog=prog, description=doc,
-                           config=(tyro.conf.FlagConversionOff,), use_underscores=True)
+            cfg = tyro.cli(config_cls, args=bool_values(argv, config_cls), prog=prog,
+                           description=doc, config=(tyro.conf.FlagConversionOff,),
+                           use_underscores=True)
         cfg.actor.__post_init__()
         cfg.__post_init__()
     except ValueError as e:

@@ -52,8 +52,8 @@ class PolicyWorker:
         dist_addr: str | None = None,
     ) -> None:
         from agentrl.models import load_tokenizer
+        from agentrl.models.value import ValueModel
         from agentrl.models.vision import vision_processor
-        from trainers.critic import ValueModel
 
         torch.manual_seed(cfg.seed)
         self.cfg, self.rank = cfg, rank
@@ -357,7 +357,7 @@ class PolicyWorker:
 def _critic_from(path: str, policy: nn.Module) -> nn.Module:
     """A reward model as the critic's start: it reads the policy's tokens, so the two must
     share a vocabulary."""
-    from trainers.rm import load_reward_model
+    from agentrl.models.value import load_reward_model
 
     critic = load_reward_model(path).train()
     theirs = critic.config.get_text_config().vocab_size

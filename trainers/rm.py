@@ -4,14 +4,14 @@
     agentrl rm --dataset pairs.jsonl --margin_key margin     # -log sigmoid(r_w - r_l - m)
     agentrl rm --dataset pairs.jsonl --loss logexp           # OpenRLHF's log(1 + exp(r_l - r_w))
 
-The model is the PPO critic's (`trainers.critic.ValueModel`: the language model's backbone and
+The model is the PPO critic's (`agentrl.models.value.ValueModel`: the language model's backbone and
 a scalar head); a reply's reward is the head's value at its last token (the end-of-turn token).
 The pairs are trainers/pairs.py's. Logged per step and for the held-out pairs (`eval/...`): the
 loss, the mean reward of chosen and rejected replies and the pairwise accuracy.
 
 The result, RUN_DIR/reward_model, is the backbone as a Hugging Face model directory plus the
-head (`value_head.pt`) and a marker file; `load_reward_model(DIR)` loads it as a ValueModel,
-which is also how a PPO critic can start from it.
+head (`value_head.pt`) and a marker file; `agentrl.models.value.load_reward_model(DIR)` loads
+it as a ValueModel, which is also how a PPO critic can start from it.
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ from typing import Any, Literal
 
 import torch
 
+from agentrl.models.value import REWARD_MODEL_HEAD, REWARD_MODEL_MARKER
 from trainers.config import _DEFER, ActorConfig
 from trainers.offline import OfflineData, cli_main, train_offline
 from trainers.pairs import Pair, PairConfig, PairTrainer, load_pairs
-
-MARKER = "agentrl_reward_model.json"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,7 +59,7 @@ class RMTrainer(PairTrainer):
         super().__init__(cfg, data.train, data.eval, tokenizer, **dist)
 
     def trained_module(self, model: Any) -> Any:
-        from trainers.critic import ValueModel
+        from agentrl.models.value import ValueModel
 
         self.value_model = ValueModel(model)
         return self.value_model
@@ -131,31 +130,10 @@ def save_reward_model(lm: Any, head: dict[str, Any], tokenizer: Any, path: Path,
     else:
         lm.save_pretrained(path, state_dict=None if state is None else dict(state))
         tokenizer.save_pretrained(path)
-    torch.save(head, path / "value_head.pt")
-    (path / MARKER).write_text(json.dumps({"kind": "agentrl reward model", "base": base,
-                                           "score": "value head at the last token"}, indent=2))
-
-
-def check_reward_model(path: str | Path, what: str = "") -> Path:
-    """`path` as a Path, or a ValueError unless it is a directory `save_reward_model` wrote
-    (`what`: the flag that named it, for the message)."""
-    p = Path(path)
-    if not (p / MARKER).is_file() or not (p / "value_head.pt").is_file():
-        name = f"{what} {p}" if what else repr(str(p))
-        raise ValueError(f"{name}: not a reward model saved by `agentrl rm` (expected {MARKER} "
-                         f"and value_head.pt; it is RUN_DIR/reward_model)")
-    return p
-
-
-def load_reward_model(path: str | Path) -> Any:
-    """The reward model saved by `agentrl rm`, as a ValueModel (in eval mode)."""
-    from agentrl.models import load_model
-    from trainers.critic import ValueModel
-
-    p = check_reward_model(path)
-    model = ValueModel(load_model(str(p)))
-    model.head.load_state_dict(torch.load(p / "value_head.pt", weights_only=True))
-    return model.eval()
+    torch.save(head, path / REWARD_MODEL_HEAD)
+    (path / REWARD_MODEL_MARKER).write_text(json.dumps(
+        {"kind": "agentrl reward model", "base": base, "score": "value head at the last token"},
+        indent=2))
 
 
 def run_rm(cfg: RMConfig) -> dict[str, Any]:

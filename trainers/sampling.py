@@ -298,7 +298,7 @@ class RemoteEngine:
                        images: Any = None) -> list[Any]:
         import ray
 
-        from trainers.router import EngineGone
+        from agentrl.engine.router import EngineGone
 
         try:
             return list(await self.actor.generate.remote(list(prompt_ids), params, images))
@@ -313,7 +313,7 @@ class RemoteEngine:
     def finish_update(self, pending: Any, version: int) -> None:
         import ray
 
-        from trainers.router import EngineGone
+        from agentrl.engine.router import EngineGone
 
         try:
             ray.get(pending)
@@ -328,7 +328,7 @@ class RemoteEngine:
         """One step of a broadcast update, in the actor (`EngineWorker.weight_transfer`)."""
         import ray
 
-        from trainers.router import EngineGone
+        from agentrl.engine.router import EngineGone
 
         try:
             ray.get(self.actor.weight_transfer.remote(step, *args))
@@ -359,7 +359,7 @@ class RolloutWorker:
     """Placed mode: an engine with its own copy of the weights, updated by `update_weights` (or,
     made with `weight_transfer`, by the trainer's broadcast: `weight_transfer`). With
     `extra_engines` (EngineWorker actors) or `--rollout.num_engines` > 1 in one process, its
-    episodes go through a router (trainers/router.py) over all of them."""
+    episodes go through a router (agentrl/engine/router.py) over all of them."""
 
     def __init__(self, cfg: TrainConfig, weight_transfer: str | None = None,
                  extra_engines: list[Any] | None = None,
@@ -389,7 +389,7 @@ class RolloutWorker:
             engines += [_own_engine(cfg, self.tokenizer, weight_transfer)[1]
                         for _ in range(cfg.rollout.num_engines - 1)]
         if len(engines) > 1:
-            from trainers.router import EngineRouter
+            from agentrl.engine.router import EngineRouter
 
             self.engine: Any = EngineRouter(
                 engines, restart=self._restart_engine if extra_engines else None)
@@ -451,7 +451,7 @@ class RolloutWorker:
     def _group_engines(self) -> list[tuple[int, Any]]:
         """(router index, engine) of every engine a new weight group spans (caller holds
         `_group_lock`)."""
-        from trainers.router import EngineRouter
+        from agentrl.engine.router import EngineRouter
 
         if not isinstance(self.engine, EngineRouter):
             return [(0, self.engine)]

@@ -1,7 +1,7 @@
 """Which conversation a generate call belongs to, for routers over several engines.
 
 The rollout collector sets it to the episode for all of the episode's turns, and the proxy to
-the session; a router (`trainers.router.EngineRouter`) sends every call of one key to the same
+the session; a router (`agentrl.engine.router.EngineRouter`) sends every call of one key to the same
 engine, whose prefix cache then holds the conversation so far. A context variable, so it needs
 no argument in the engine protocol: it follows the awaiting task into the engine call.
 """

@@ -1,9 +1,8 @@
-"""Environments: the token-level base, chat authoring, single-turn reward envs, registry."""
+"""Environments: the token-level base, chat authoring, registry."""
 
 from agentrl.envs.base import Obs, TokenEnv, make_obs, validate_action
 from agentrl.envs.chat import ChatEnv, ChatTokenEnv
 from agentrl.envs.registry import list_envs, load_plugins, make_env, register, resolve_env_id
-from agentrl.envs.reward import RewardEnv, RewardFunctionError, load_reward_func
 from agentrl.envs.template import ChatTemplateBridge, DriftReport, TemplateError
 
 __all__ = [
@@ -12,13 +11,10 @@ __all__ = [
     "ChatTokenEnv",
     "DriftReport",
     "Obs",
-    "RewardEnv",
-    "RewardFunctionError",
     "TemplateError",
     "TokenEnv",
     "list_envs",
     "load_plugins",
-    "load_reward_func",
     "make_env",
     "make_obs",
     "register",

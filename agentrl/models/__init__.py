@@ -1,9 +1,10 @@
 """Model and tokenizer loading, offline only.
 
 Names: the embedded default (`smollm2-135m-instruct`, aliases `embedded`, `default`,
-`HuggingFaceTB/SmolLM2-135M-Instruct`), `embedded-vlm` (SmolLM2 with a small vision tower,
-built and warmed up here on first use, see `agentrl.models.embedded_vlm`), `tiny` (random 2-layer
-test model), `tiny-qwen2-vl`, `tiny-qwen2.5-vl`, `tiny-llava` and `tiny-idefics3` (random tiny
+`HuggingFaceTB/SmolLM2-135M-Instruct`), the named models of installed providers
+(`agentrl.models.named`: `embedded-vlm`, SmolLM2 with a small vision tower, built and warmed up
+on first use by environments/screenshot/embedded_vlm.py), `tiny` (random 2-layer test model),
+`tiny-qwen2-vl`, `tiny-qwen2.5-vl`, `tiny-llava` and `tiny-idefics3` (random tiny
 vision-language models), or a local directory holding a Hugging Face model (causal LM or
 vision-language model). agentrl never downloads weights.
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from agentrl.models.embedded import EMBEDDED_ALIASES, EMBEDDED_NAME, INSTALL_HINT
-from agentrl.models.embedded_vlm import EMBEDDED_VLM_NAME
+from agentrl.models.named import named_model_dir, named_models
 from agentrl.models.tiny import TINY_NAME, TINY_VLMS
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ DEFAULT_MODEL = EMBEDDED_NAME
 
 def available_models() -> list[str]:
     """Model names that load without a path."""
-    return [EMBEDDED_NAME, EMBEDDED_VLM_NAME, TINY_NAME, *TINY_VLMS]
+    return [EMBEDDED_NAME, *named_models(), TINY_NAME, *TINY_VLMS]
 
 
 def _resolve(name: str) -> tuple[str, Path | None]:
@@ -36,10 +37,9 @@ def _resolve(name: str) -> tuple[str, Path | None]:
         from agentrl.models.embedded import embedded_dir
 
         return "embedded", embedded_dir()
-    if name == EMBEDDED_VLM_NAME:
-        from agentrl.models.embedded_vlm import embedded_vlm_dir
-
-        return "path", embedded_vlm_dir()
+    named = named_model_dir(name)
+    if named is not None:
+        return "path", named
     if name == TINY_NAME:
         return "tiny", None
     if name in TINY_VLMS:

@@ -41,6 +41,22 @@ def test_model_dir_gives_what_libraries_load_from(tmp_path):
         model_dir("HuggingFaceTB/SmolLM3-3B")  # never a hub id handed on to be downloaded
 
 
+def test_named_models_resolve_through_their_registry(tmp_path, monkeypatch):
+    from agentrl.models import named
+
+    monkeypatch.setattr(named, "_REGISTERED", dict(named._REGISTERED))
+    load_model("tiny").save_pretrained(tmp_path)
+    calls = []
+    named.register_model("my-model", lambda: calls.append(1) or tmp_path)
+    assert "my-model" in available_models()
+    # The built-in VLM is an upper layer's model: listed from its entry point, not imported.
+    assert "embedded-vlm" in available_models()
+    assert model_dir("my-model") == tmp_path and calls == [1]
+    assert load_model("my-model").config.vocab_size == load_model("tiny").config.vocab_size
+    with pytest.raises(ValueError, match="a plain word"):
+        named.register_model("org/name", lambda: tmp_path)
+
+
 def test_resolve_tokenizer_rejects_wrong_type():
     with pytest.raises(TypeError, match="tokenizer= takes"):
         resolve_tokenizer(42)

@@ -58,3 +58,25 @@ def test_cli_bad_command(argv):
     assert proc.returncode == 2
     if argv == ["trian"]:
         assert "Did you mean 'train'" in proc.stderr
+
+
+def test_commands_come_from_their_providers(monkeypatch, capsys, caplog):
+    """trainers/ and servers/ give `agentrl` its commands through the `agentrl.commands` group;
+    a provider that fails to load is skipped with a warning and the rest still run."""
+    from agentrl import cli
+
+    table = cli.commands()
+    assert table["train"][0] == "trainers.cli:main" and table["serve"][0] == "servers.cli:main"
+    assert table["eval"] == cli.LIBRARY_COMMANDS["eval"]
+    real = importlib.metadata.entry_points
+    eps = [*real(group=cli.COMMAND_ENTRY_POINT_GROUP),
+           importlib.metadata.EntryPoint("broken", "no_such_module:COMMANDS",
+                                         cli.COMMAND_ENTRY_POINT_GROUP)]
+    monkeypatch.setattr(
+        importlib.metadata, "entry_points",
+        lambda **kw: eps if kw.get("group") == cli.COMMAND_ENTRY_POINT_GROUP else real(**kw),
+    )
+    assert cli.main(["--help"]) == 0
+    usage = capsys.readouterr().out
+    assert "  train " in usage and "  serve " in usage and "  envs " in usage
+    assert "'broken' (no_such_module:COMMANDS) failed to load" in caplog.text

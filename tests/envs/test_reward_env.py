@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import agentrl
-from agentrl.envs import ChatTokenEnv, RewardEnv, RewardFunctionError, load_reward_func
+from agentrl.envs import ChatTokenEnv
+from agentrl.rewards import RewardEnv, RewardFunctionError, load_reward_func
 
 DATA = [{"prompt": "What is 2+2?", "label": "4"}, {"prompt": "What is 3+3?", "label": "6"}]
 

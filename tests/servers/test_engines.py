@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainers.router import EngineRouter
+from agentrl.engine.router import EngineRouter
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from agentrl.envs.reward import RemoteReward, RewardServiceError
+from agentrl.rewards import RemoteReward, RewardServiceError
 from servers.reward_serve import create_reward_app
 from servers.serving import serve_in_thread
 

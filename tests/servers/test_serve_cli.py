@@ -88,10 +88,10 @@ def test_several_vllm_engines_on_gpus_each_start_on_their_own(capsys, monkeypatc
 
     import agentrl.engine
     import servers.cli
-    import trainers.router
+    import agentrl.engine.router
     from agentrl.models import load_tokenizer
     from servers.testing import FakeEngine
-    from trainers.router import EngineRouter
+    from agentrl.engine.router import EngineRouter
 
     opened: list[dict] = []
     served: list = []
@@ -102,7 +102,7 @@ def test_several_vllm_engines_on_gpus_each_start_on_their_own(capsys, monkeypatc
             routers.append(engines)
             super().__init__(engines, **kwargs)
 
-    monkeypatch.setattr(trainers.router, "EngineRouter", Recorded)
+    monkeypatch.setattr(agentrl.engine.router, "EngineRouter", Recorded)
 
     def open_engine(model, **kwargs):
         opened.append(kwargs)

@@ -54,7 +54,7 @@ def test_merged_weights_are_the_adapted_model_and_adapters_off_is_the_base(tmp_p
 def test_merged_weights_come_from_the_state_given():
     """Sharded over ranks, the model's own tensors are slices: the merge then reads W, A and B
     from the gathered state only (names relative to the module given, a ValueModel's too)."""
-    from trainers.critic import ValueModel
+    from agentrl.models.value import ValueModel
 
     model = _adapted()
     base = load_model("tiny").state_dict()

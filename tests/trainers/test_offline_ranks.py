@@ -73,7 +73,7 @@ def test_two_workers_train_what_one_process_does(ray_cluster, tmp_path, case):
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-3, atol=1e-3)
     if kind == "rm":
-        from trainers.rm import load_reward_model
+        from agentrl.models.value import load_reward_model
 
         head_two = load_reward_model(two["reward_model"]).head.weight
         head_one = load_reward_model(one["reward_model"]).head.weight

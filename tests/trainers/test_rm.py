@@ -11,7 +11,8 @@ import torch
 
 from agentrl.cli import main
 from trainers.config import ActorConfig
-from trainers.rm import RMConfig, load_reward_model, run_rm
+from agentrl.models.value import load_reward_model
+from trainers.rm import RMConfig, run_rm
 
 WORDS = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "rocket"]
 
@@ -73,7 +74,7 @@ def test_a_reward_model_scores_single_turn_rl_in_its_own_actor_and_starts_the_cr
     `--algo.critic_init DIR` starts PPO's critic from the same reward model."""
     from agentrl.types import load_jsonl
     from trainers.cli import main as train
-    from trainers.reward_model import RewardModelScorer
+    from agentrl.rewards.model import RewardModelScorer
 
     summary = run_rm(_cfg(tmp_path, max_steps=3))
     rm_dir = summary["reward_model"]

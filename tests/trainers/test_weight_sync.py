@@ -143,7 +143,7 @@ def test_a_restarted_engine_joins_the_next_weight_group_before_it_samples(make_c
     import ray
 
     import trainers.sampling as sampling
-    from trainers.router import EngineGone, EngineRouter
+    from agentrl.engine.router import EngineGone, EngineRouter
 
     monkeypatch.setattr(sampling, "RemoteEngine", _RemoteReceiver)
     monkeypatch.setattr(ray, "remote", lambda cls: types.SimpleNamespace(

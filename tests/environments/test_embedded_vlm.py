@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from agentrl.models import embedded_vlm as ev
+from environments.screenshot import embedded_vlm as ev
 from environments.screenshot.click import INSTRUCTIONS, ScreenClickEnv
 
 

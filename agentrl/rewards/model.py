@@ -1,7 +1,7 @@
 """A reward model (`agentrl rm`) as the reward of single-turn RL: `agentrl train --dataset
 data.jsonl --reward.model runs/rm/reward_model`.
 
-Episodes' (prompt, response) pairs are gathered into batches (`agentrl.envs.reward.
+Episodes' (prompt, response) pairs are gathered into batches (`agentrl.rewards.batched.
 BatchedReward`) and scored by one `RewardModelScorer`: in its own Ray actor when Ray is running
 (one per reward model and cluster, found by name, so every rollout worker's envs share it;
 `--reward.num_gpus` gives it a GPU), else in this process. The scorer renders the prompt as the
@@ -15,7 +15,7 @@ import hashlib
 import threading
 from typing import Any
 
-from agentrl.envs.reward import BatchedReward, RewardServiceError
+from agentrl.rewards.batched import BatchedReward, RewardServiceError
 
 
 class RewardModelScorer:
@@ -26,7 +26,7 @@ class RewardModelScorer:
         from agentrl.backends import resolve_device
         from agentrl.envs.template import ChatTemplateBridge
         from agentrl.models import load_tokenizer
-        from trainers.rm import load_reward_model
+        from agentrl.models.value import load_reward_model
 
         self.device = resolve_device(device)
         self.model = load_reward_model(path).to(self.device)

@@ -1,8 +1,10 @@
-"""The PPO critic: the policy's backbone with a scalar value head."""
+"""A language model's backbone with a scalar value head: PPO's critic, and the reward models
+`agentrl rm` trains (saved as a model directory, the head's `value_head.pt` and a marker file)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -51,3 +53,29 @@ class ValueModel(torch.nn.Module):
             rows = torch.arange(hidden.shape[0], device=hidden.device)
             return self.head(hidden[rows, at]).squeeze(-1)
         return self.head(hidden).squeeze(-1)[:, :-1]
+
+
+REWARD_MODEL_MARKER = "agentrl_reward_model.json"
+REWARD_MODEL_HEAD = "value_head.pt"
+
+
+def check_reward_model(path: str | Path, what: str = "") -> Path:
+    """`path` as a Path, or a ValueError unless it is a directory `save_reward_model` wrote
+    (`what`: the flag that named it, for the message)."""
+    p = Path(path)
+    if not (p / REWARD_MODEL_MARKER).is_file() or not (p / REWARD_MODEL_HEAD).is_file():
+        name = f"{what} {p}" if what else repr(str(p))
+        raise ValueError(f"{name}: not a reward model saved by `agentrl rm` (expected "
+                         f"{REWARD_MODEL_MARKER} and {REWARD_MODEL_HEAD}; it is "
+                         f"RUN_DIR/reward_model)")
+    return p
+
+
+def load_reward_model(path: str | Path) -> Any:
+    """The reward model saved by `agentrl rm`, as a ValueModel (in eval mode)."""
+    from agentrl.models import load_model
+
+    p = check_reward_model(path)
+    model = ValueModel(load_model(str(p)))
+    model.head.load_state_dict(torch.load(p / REWARD_MODEL_HEAD, weights_only=True))
+    return model.eval()

@@ -9,7 +9,7 @@ import pytest
 
 from agentrl.engine.affinity import conversation
 from agentrl.types import Completion, SamplingParams
-from trainers.router import EngineRouter, engine_devices
+from agentrl.engine.router import EngineRouter, engine_devices
 
 
 class Held:
@@ -162,7 +162,7 @@ class Dying(Held):
         self.release.set()
 
     async def generate(self, prompt_ids, params, images=None):
-        from trainers.router import EngineGone
+        from agentrl.engine.router import EngineGone
 
         if self.dead or len(self.calls) + 1 >= self.fail_at:
             self.dead = True
