@@ -8,7 +8,6 @@ Flags are spelled with underscores in every subcommand (`--max_new_tokens`,
 
 from __future__ import annotations
 
-import importlib
 import sys
 
 COMMAND_ENTRY_POINT_GROUP = "agentrl.commands"
@@ -69,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agentrl: unknown command {name!r}.{did_you_mean}\n\n{_usage(table)}",
               file=sys.stderr)
         return 2
-    module, _, func = table[name][0].partition(":")
-    return int(getattr(importlib.import_module(module), func)(underscored(rest)) or 0)
+    from agentrl.plugins import load_callable
+
+    return int(load_callable(table[name][0], "main")(underscored(rest)) or 0)
 
 
 def underscored(argv: list[str]) -> list[str]:

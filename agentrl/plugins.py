@@ -1,5 +1,6 @@
-"""Loading user code named on the command line: `package.module:function` or
-`path/to/file.py:function` (a file that need not be importable by name)."""
+"""The one loader of code named by a string: `package.module:attr` or `path/to/file.py:attr` (a
+file that need not be importable by name). Commands, env entry points, training backends and
+user functions named on the command line all load through `load_attr`."""
 
 from __future__ import annotations
 
@@ -33,14 +34,22 @@ def load_module_file(path: str | Path) -> ModuleType:
     return module
 
 
-def load_callable(spec: str | None, what: str = "function") -> Callable[..., Any]:
-    """The callable named by `package.module:function` or `path/to/file.py:function`."""
+def load_attr(spec: str | None, what: str = "function") -> Any:
+    """The object named by `package.module:attr` or `path/to/file.py:attr` (`what` names it in
+    errors)."""
     where, _, attr = (spec or "").rpartition(":")
     if not where or not attr:
         raise ValueError(f"expected 'package.module:{what}' or 'file.py:{what}', got {spec!r}")
     module = load_module_file(where) if where.endswith(".py") else importlib.import_module(where)
-    fn = getattr(module, attr, None)
+    if not hasattr(module, attr):
+        raise ValueError(f"{spec!r}: {where} defines no {attr!r}")
+    return getattr(module, attr)
+
+
+def load_callable(spec: str | None, what: str = "function") -> Callable[..., Any]:
+    """The callable named by `package.module:function` or `path/to/file.py:function`."""
+    fn = load_attr(spec, what)
     if not callable(fn):
         # ValueError, not TypeError: a bad flag value, which the CLIs report as such.
-        raise ValueError(f"{spec!r} is not a callable (no {attr!r} in {where})")  # noqa: TRY004
+        raise ValueError(f"{spec!r} is not a callable but a {type(fn).__name__}")  # noqa: TRY004
     return fn

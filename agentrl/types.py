@@ -13,7 +13,6 @@ import base64
 import hashlib
 import json
 import math
-import os
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+
+from agentrl.files import replaced_atomically
 
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
@@ -214,6 +215,14 @@ class CompletionDelta:
     """As `Completion.version_changes`, with indices into this delta's tokens."""
 
 
+def image_digest(pixels: np.ndarray) -> bytes:
+    """The one content hash of an image (SHA-256 over its shape and pixels): equal images, equal
+    digests. Stored images are named by it; engines' caches key image tokens by it."""
+    h = hashlib.sha256(f"{pixels.shape}".encode())
+    h.update(np.ascontiguousarray(pixels).tobytes())
+    return h.digest()
+
+
 @dataclass(kw_only=True)
 class Image:
     """An image the model saw, and where its placeholder tokens sit in `Trajectory.token_ids`."""
@@ -237,9 +246,7 @@ class Image:
     @property
     def sha256(self) -> str:
         """Content hash (shape and pixels): the name the image is stored under."""
-        h = hashlib.sha256(f"{self.pixels.shape}".encode())
-        h.update(np.ascontiguousarray(self.pixels).tobytes())
-        return h.hexdigest()
+        return image_digest(self.pixels).hex()
 
     def to_dict(self, image_dir: Path | None = None) -> dict:
         """The image inline (base64 pixels), or with `image_dir` by its hash, its pixels saved
@@ -538,14 +545,11 @@ def save_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> int:
     """Write trajectories as JSON lines (atomically: a crash leaves the old file intact). Images
     go once each, as PNG named by content hash, to `image_dir_of(path)`; lines hold the hashes."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
     n = 0
-    with tmp.open("w") as f:
+    with replaced_atomically(path) as tmp, tmp.open("w") as f:
         for traj in trajectories:
             f.write(traj.to_json(image_dir_of(path) if traj.images else None) + "\n")
             n += 1
-    tmp.replace(path)
     return n
 
 
@@ -570,10 +574,8 @@ def _save_png(pixels: np.ndarray, path: Path) -> None:
         return
     from PIL import Image as PILImage
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    PILImage.fromarray(np.ascontiguousarray(pixels), "RGB").save(tmp, format="PNG")
-    tmp.replace(path)
+    with replaced_atomically(path) as tmp:
+        PILImage.fromarray(np.ascontiguousarray(pixels), "RGB").save(tmp, format="PNG")
 
 
 def _load_png(path: Path) -> np.ndarray:

@@ -10,13 +10,13 @@ while saving leaves the previous checkpoint usable. The newest `keep` are kept, 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from agentrl.files import partial_writes, replaced_atomically, write_atomically
 from agentrl.types import Trajectory, load_jsonl, save_jsonl
 
 
@@ -36,16 +36,12 @@ def save_checkpoint(
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
-    tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    torch.save(worker_state, tmp / "worker.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
-    save_jsonl(queue or [], tmp / "queue.jsonl")
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-    _write_atomically(root / "latest", final.name)
+    with replaced_atomically(final) as tmp:
+        tmp.mkdir()
+        torch.save(worker_state, tmp / "worker.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+        save_jsonl(queue or [], tmp / "queue.jsonl")
+    write_atomically(root / "latest", final.name)
     prune_checkpoints(run_dir, keep)
     return final
 
@@ -53,9 +49,9 @@ def save_checkpoint(
 def mark_best(run_dir: str | Path, path: Path, metric: str, value: float, step: int) -> None:
     """Name `path` the best checkpoint (atomically, as `latest`), with what made it best."""
     root = checkpoint_root(run_dir)
-    _write_atomically(root / "best.json", json.dumps(
+    write_atomically(root / "best.json", json.dumps(
         {"checkpoint": path.name, "step": step, metric: value}, indent=2))
-    _write_atomically(root / "best", path.name)
+    write_atomically(root / "best", path.name)
 
 
 def best_checkpoint(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
@@ -90,12 +86,10 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Any], l
 
 
 def remove_partial(run_dir: str | Path) -> list[Path]:
-    """Delete what a save cut short left behind (`.tmp_step_*` directories, half-written
-    markers); returns what it removed. Called at resume and at the end of a run, when no save
-    of this run is in progress."""
-    root = checkpoint_root(run_dir)
-    gone = [p for pattern in (".tmp_step_*", ".latest.tmp", ".best.tmp", ".best.json.tmp")
-            for p in root.glob(pattern)]
+    """Delete what a save cut short left behind (half-written checkpoint directories and
+    markers: `agentrl.files.partial_writes`); returns what it removed. Called at resume and at
+    the end of a run, when no save of this run is in progress."""
+    gone = partial_writes(checkpoint_root(run_dir))
     for p in gone:
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
@@ -115,19 +109,11 @@ def rewind_run_files(run_dir: str | Path, step: int) -> None:
         lines = metrics.read_text().splitlines(keepends=True)
         kept = [x for x in lines if x.strip() and json.loads(x).get("step", 0) <= step]
         if len(kept) != len(lines):
-            _write_atomically(metrics, "".join(kept))
+            write_atomically(metrics, "".join(kept))
     for folder in ("rollouts", "evals"):
         for f in (run_dir / folder).glob("step_*.jsonl"):
             if int(f.stem.removeprefix("step_")) > step:
                 f.unlink()
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """`path` holds `text` or what it held before, never part of it: written beside it as
-    `.NAME.tmp` (what `remove_partial` clears after a crash), then renamed over it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def prune_checkpoints(run_dir: str | Path, keep: int) -> None:

@@ -65,8 +65,9 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 def create_backend(name: str, dist: DistSpec | None = None) -> TrainBackend:
     """A new (not yet set up) backend by name (not `auto`: resolve it first)."""
     check_backend_name(name)
-    module, _, cls = BACKENDS[name].partition(":")
-    return getattr(importlib.import_module(module), cls)(dist)
+    from agentrl.plugins import load_attr
+
+    return load_attr(BACKENDS[name], "Backend")(dist)
 
 
 def engine_options(device: torch.device | str) -> dict[str, Any]:

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import gymnasium as gym
 
+from agentrl.plugins import load_attr
+
 if TYPE_CHECKING:
     from gymnasium.envs.registration import EnvCreator
 
@@ -85,7 +87,7 @@ def make_env(target: Callable[..., Any] | str, tokenizer: Any = None, **kwargs: 
     from agentrl.envs.base import TokenEnv
     from agentrl.envs.chat import ChatEnv, ChatTokenEnv
 
-    factory = _load(target) if isinstance(target, str) else target
+    factory = load_attr(target, "Env") if isinstance(target, str) else target
     bridge_kwargs = {k: kwargs.pop(k) for k in _BRIDGE_KWARGS if k in kwargs}
     if _accepts(factory, "tokenizer") and not (
         inspect.isclass(factory) and issubclass(factory, ChatEnv)
@@ -114,13 +116,20 @@ def make_env(target: Callable[..., Any] | str, tokenizer: Any = None, **kwargs: 
     return env
 
 
+def env_factory(id: str) -> Callable[..., Any] | None:
+    """The class or factory behind an id registered through agentrl (None for others)."""
+    target = (gym.spec(id).kwargs or {}).get("target")
+    if target is None:
+        return None
+    return load_attr(target, "Env") if isinstance(target, str) else target
+
+
 def env_takes(id: str, name: str) -> bool:
     """Whether the env registered as `id` declares the constructor argument `name` (a rule of
     its own task, like math-tir's `max_turns`: its last turn must give the answer)."""
-    target = (gym.spec(id).kwargs or {}).get("target")
-    if target is None:
+    factory = env_factory(id)
+    if factory is None:
         return False
-    factory = _load(target) if isinstance(target, str) else target
     try:
         return name in inspect.signature(factory).parameters
     except (TypeError, ValueError):
@@ -171,13 +180,6 @@ def load_plugins() -> list[str]:
         except Exception as e:  # noqa: BLE001 (a third-party plugin must not break agentrl)
             logger.warning("agentrl env plugin %r (%s) failed to load: %s", ep.name, ep.value, e)
     return loaded
-
-
-def _load(spec: str) -> Callable[..., Any]:
-    module, _, attr = spec.partition(":")
-    if not attr:
-        raise ValueError(f"entry point {spec!r} must look like 'package.module:Attr'")
-    return getattr(importlib.import_module(module), attr)
 
 
 def _accepts(fn: Callable[..., Any], name: str, *, unknown: bool = False) -> bool:

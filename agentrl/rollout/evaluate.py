@@ -313,17 +313,13 @@ def env_kwargs_for(args: EvalArgs, env_id: str) -> dict[str, Any]:
 
 
 def _constructor_params(env_id: str) -> set[str] | None:
-    import importlib
     import inspect
 
-    import gymnasium as gym
+    from agentrl.envs.registry import env_factory
 
-    target = gym.spec(env_id).kwargs.get("target")
+    target = env_factory(env_id)
     if target is None:  # not registered through agentrl
         return None
-    if isinstance(target, str):
-        module, _, attr = target.partition(":")
-        target = getattr(importlib.import_module(module), attr)
     try:
         params = inspect.signature(target).parameters
     except (TypeError, ValueError):

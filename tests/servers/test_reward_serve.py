@@ -154,7 +154,9 @@ def test_reward_serve_cli_refuses_a_bad_function(tmp_path, capsys):
 
     (tmp_path / "r.py").write_text("x = 1\n")
     assert main(["reward-serve", f"{tmp_path / 'r.py'}:score"]) == 2
-    assert "is not a callable" in capsys.readouterr().err
+    assert "r.py defines no 'score'" in capsys.readouterr().err
+    assert main(["reward-serve", f"{tmp_path / 'r.py'}:x"]) == 2
+    assert "is not a callable but a int" in capsys.readouterr().err
 
 
 def test_a_url_httpx_cannot_even_parse_is_an_error_not_a_hang():

@@ -120,12 +120,14 @@ def test_a_resumed_run_reads_as_one_run_and_leaves_no_partial_checkpoint(
     the half-written checkpoint directory."""
     import shutil
 
+    from agentrl.files import partial_writes, temp_path_beside
+
     cfg = make_cfg(replay=str(recorded_rollouts), steps=4, save_every=2)
     Trainer(cfg).run()
     root = Path(cfg.run_dir) / "checkpoints"
     shutil.rmtree(root / "step_000004")
     (root / "latest").write_text("step_000002")
-    partial = root / ".tmp_step_000004_4242"
+    partial = temp_path_beside(root / "step_000004")  # as a save cut short leaves it
     partial.mkdir()
     (partial / "worker.pt").write_bytes(b"cut short")
     Trainer(make_cfg(replay=str(recorded_rollouts), steps=4, save_every=2, resume="auto")).run()
@@ -133,13 +135,15 @@ def test_a_resumed_run_reads_as_one_run_and_leaves_no_partial_checkpoint(
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
     assert sorted(p.name for p in (Path(cfg.run_dir) / "rollouts").iterdir()) == [
         f"step_{s:06d}.jsonl" for s in (1, 2, 3, 4)]
-    assert not list(root.glob(".tmp_step_*"))
+    assert not partial.exists() and not partial_writes(root)
     assert sorted(p.name for p in root.glob("step_*")) == ["step_000002", "step_000004"]
 
 
 def test_a_run_ends_without_partial_checkpoints(make_cfg, recorded_rollouts):
+    from agentrl.files import temp_path_beside
+
     cfg = make_cfg(replay=str(recorded_rollouts), steps=1)
-    stale = Path(cfg.run_dir) / "checkpoints" / ".tmp_step_000007_99"
+    stale = temp_path_beside(Path(cfg.run_dir) / "checkpoints" / "step_000007")
     stale.mkdir(parents=True)
     Trainer(cfg).run()
     assert not stale.exists() and (stale.parent / "step_000001").is_dir()

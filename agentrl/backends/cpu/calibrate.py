@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from agentrl.backends.cpu import kernels
+from agentrl.files import write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -188,9 +189,6 @@ def _read(path: Path) -> dict[str, dict]:
 
 def _write(path: Path, data: dict[str, dict]) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
+        write_atomically(path, json.dumps(data, indent=1))
     except OSError as e:  # a read-only home: measure again next time
         logger.warning("could not cache the CPU kernel choice at %s: %s", path, e)

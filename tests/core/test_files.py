@@ -1,0 +1,82 @@
+"""agentrl.files: the one atomic write (trajectories, images, checkpoints, run files, caches)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from agentrl.files import partial_writes, replaced_atomically, temp_path_beside, write_atomically
+
+
+def test_temporary_names_are_unique_and_hidden(tmp_path):
+    names = {temp_path_beside(tmp_path / "a.jsonl") for _ in range(1000)}
+    assert len(names) == 1000
+    assert all(n.parent == tmp_path and n.name.startswith(".a.jsonl.") for n in names)
+
+
+def test_a_failed_write_keeps_the_old_content_and_leaves_nothing(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    write_atomically(path, "old\n")
+    with pytest.raises(RuntimeError), replaced_atomically(path) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("crash")
+    assert path.read_text() == "old\n" and not partial_writes(tmp_path)
+
+
+def test_a_directory_is_replaced_whole(tmp_path):
+    target = tmp_path / "step_000002"
+    for content in ("first", "second"):
+        with replaced_atomically(target) as tmp:
+            tmp.mkdir()
+            (tmp / "worker.pt").write_text(content)
+    assert [p.name for p in target.iterdir()] == ["worker.pt"]
+    assert (target / "worker.pt").read_text() == "second" and not partial_writes(tmp_path)
+
+
+def test_concurrent_writers_never_mix(tmp_path):
+    """Two writers of one file (threads of one process: same pid) each leave a whole file; with
+    a fixed temporary name one's rename could publish the other's half-written file."""
+    path = tmp_path / "traj.jsonl"
+    payloads = [f"{i}\n" * 20_000 for i in range(8)]
+    errors: list[BaseException] = []
+
+    def write(text: str) -> None:
+        try:
+            for _ in range(5):
+                write_atomically(path, text)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(p,)) for p in payloads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and path.read_text() in payloads and not partial_writes(tmp_path)
+
+
+def test_concurrent_trajectory_saves_never_mix(tmp_path):
+    """save_jsonl wrote every writer's file through one fixed `NAME.tmp`: two writers of one
+    path truncated each other's file or renamed it away from under the other."""
+    from agentrl.types import Trajectory, load_jsonl, save_jsonl
+
+    path = tmp_path / "rollouts.jsonl"
+    batches = [[Trajectory(token_ids=[i] * 50, loss_mask=[0] * 50, logprobs=[0.0] * 50,
+                           turns=[]) for _ in range(400)] for i in range(6)]
+    errors: list[BaseException] = []
+
+    def save(batch: list[Trajectory]) -> None:
+        try:
+            for _ in range(3):
+                save_jsonl(batch, path)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=save, args=(b,)) for b in batches]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    loaded = load_jsonl(path)
+    assert not errors and len(loaded) == 400 and len({t.token_ids[0] for t in loaded}) == 1
