@@ -165,31 +165,58 @@ class SqliteSessionStore(InMemorySessionStore):
     # -- reading ----------------------------------------------------------------------------
 
     def _replay(self) -> int:
-        """Rebuild the sessions from the log; returns how many there are."""
-        for sid, kind, body in self._db.execute(
-                "SELECT session, kind, body FROM events ORDER BY seq"):
-            data = json.loads(body)
-            if kind == "create":
-                super().create(sid, group=data["group"], info=data["info"]).created = (
-                    data["created"])
-                continue
-            session = self._sessions.get(sid)
-            if kind == "delete":
-                super().delete(sid)
-            elif session is None:
-                log.warning("session store %s: %s event for unknown session %r ignored",
-                            self.path, kind, sid)
-            elif kind == "call":
-                session.record(_decode_call(data))
-            elif kind == "reward":
-                session.add_reward(data["value"], call_id=data["call_id"],
-                                   choice=data["choice"], terminated=data["terminated"],
-                                   truncated=data["truncated"], info=data["info"])
-            elif kind == "close":
-                session.close()
+        """Rebuild the sessions from the log; returns how many there are. An event that cannot
+        be read back (not JSON, a reward since refused, ...) is skipped and flagged on its
+        session, which is served and exported with the rest: one bad row must not take the
+        store, or any other session, down with it (#34)."""
+        rows = self._db.execute("SELECT seq, session, kind, body FROM events ORDER BY seq")
+        for seq, sid, kind, body in rows:
+            try:
+                self._apply(sid, kind, json.loads(body))
+            except Exception as e:  # noqa: BLE001 - whatever a row holds spoils one session
+                self._skip(seq, sid, kind, e)
         for session in self._sessions.values():  # Journal only what happens from now on.
             session.journal = functools.partial(self._append, session.id)
         return len(self._sessions)
+
+    def _apply(self, sid: str, kind: str, data: Any) -> None:
+        """One event of the log, through the same `Session` methods that made it."""
+        if kind == "create":
+            super().create(sid, group=data["group"], info=data["info"]).created = (
+                data["created"])
+            return
+        session = self._sessions.get(sid)
+        if kind == "delete":
+            super().delete(sid)
+        elif session is None:
+            log.warning("session store %s: %s event for unknown session %r ignored",
+                        self.path, kind, sid)
+        elif kind == "call":
+            session.record(_decode_call(data))
+        elif kind == "reward":
+            session.add_reward(data["value"], call_id=data["call_id"],
+                               choice=data["choice"], terminated=data["terminated"],
+                               truncated=data["truncated"], info=data["info"])
+        elif kind == "close":
+            session.close()
+
+    def _skip(self, seq: int, sid: str, kind: str, error: Exception) -> None:
+        """Flag the session of an event that could not be replayed (made if its very creation
+        failed, so that what follows still has a session to go to)."""
+        if isinstance(error, json.JSONDecodeError):
+            reason = f"its body is not JSON ({error})"
+        else:
+            reason = f"{type(error).__name__}: {error}"
+        message = f"event {seq} ({kind}) could not be read back and was skipped: {reason}"
+        log.warning("session store %s: session %r: %s", self.path, sid, message)
+        session = self._sessions.get(sid)
+        if session is None and kind == "create":
+            try:
+                session = super().create(sid)
+            except (KeyError, ValueError):  # an id no session may have
+                return
+        if session is not None:
+            session.flag(message)
 
 
 def _lock(path: Path) -> Any:

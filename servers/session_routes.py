@@ -1,19 +1,23 @@
 """Session management: create, list (paged), inspect, reward, close, delete, and export as JSON
-lines, streamed a trajectory at a time. Every change is stored before it is answered."""
+lines, streamed a session at a time. Every change is stored before it is answered. A session
+that cannot be exported is a `discard` line saying why, never a body cut off mid-stream."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from agentrl.types import Trajectory
 from servers.config import ProxyState
 from servers.errors import APIError
 from servers.generation import parse_body, stored, valid_session_id
 from servers.protocol import RewardRequest, SessionCreate
 from servers.sessions import Session
 
+log = logging.getLogger(__name__)
 MAX_PAGE = 1000
 
 router = APIRouter()
@@ -78,7 +82,7 @@ async def list_sessions(request: Request, limit: int = 100, after: str | None = 
     page = sessions[start : start + limit]
     return JSONResponse({
         "object": "list",
-        "data": [s.summary() for s in page],
+        "data": [_summary(s) for s in page],
         "has_more": start + limit < len(sessions),
         "first_id": page[0].id if page else None,
         "last_id": page[-1].id if page else None,
@@ -90,10 +94,35 @@ def _ndjson(sessions: Iterable[Session]) -> StreamingResponse:
     iterates a plain generator in its thread pool), never as one big body."""
     def lines() -> Iterator[str]:
         for s in sessions:
-            for t in s.trajectories():
-                yield t.to_json() + "\n"
+            yield _session_lines(s)
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+def _session_lines(session: Session) -> str:
+    """A session's trajectories as JSON lines; if they cannot be built or written, one empty
+    `discard` trajectory saying why. Once an export's 200 is sent, an exception would end the
+    body mid-stream for every session after this one (#34)."""
+    try:
+        return "".join(t.to_json() + "\n" for t in session.trajectories())
+    except Exception as e:  # one session's failure must not end the export
+        log.exception("session %r cannot be exported", session.id)
+        placeholder = Trajectory(
+            token_ids=[], loss_mask=[], logprobs=[], turns=[], discard=True,
+            uid=f"{session.id}-unexportable", group=session.group,
+            info={"session_id": session.id,
+                  "export_error": f"{type(e).__name__}: {e}"[:1000]})
+        return placeholder.to_json() + "\n"
+
+
+def _summary(session: Session) -> dict:
+    """`session.summary()`, or its id and why not: one session must not fail the whole list."""
+    try:
+        return session.summary()
+    except Exception as e:  # logged, and said in the entry
+        log.exception("session %r cannot be summarised", session.id)
+        return {"id": session.id, "object": "session",
+                "error": f"{type(e).__name__}: {e}"[:1000]}
 
 
 @router.get("/export")
@@ -130,6 +159,8 @@ async def reward(request: Request, session_id: str) -> JSONResponse:
         )
     except KeyError as e:
         raise APIError(400, e.args[0], code="call_not_found", param="call_id") from None
+    except ValueError as e:  # not finite, or the session's sums would not be
+        raise APIError(400, str(e), code="invalid_reward", param="reward") from None
     await stored(_state(request))
     return JSONResponse(session.summary())
 

@@ -14,7 +14,10 @@ left out of the trajectories: the client never saw them, so no later call contin
 
 Every change to a session (record, reward, close) goes through its `journal` when it has one:
 that is how `servers.durable.SqliteSessionStore` keeps sessions across restarts. Routes
-`await store.sync()` before answering, so a turn a client has seen is stored.
+`await store.sync()` before answering, so a turn a client has seen is stored. A reward is
+checked before anything changes: it and the session's sums stay finite, or it is refused.
+A session whose stored log could not all be read back says so (`store_errors`): its
+trajectories are exported marked `discard`, with the errors in their `info`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import collections
 import copy
 import hashlib
 import json
+import math
 import re
 import threading
 import time
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agentrl.types import Completion, Image, Trajectory, TrajectoryBuilder
+from servers.finite import finite
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9_.\-]{1,128}$"
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
@@ -152,10 +157,14 @@ class Session:
         self.truncated = False
         self.calls: list[CallRecord] = []
         self.rewards: list[RewardRecord] = []
+        self._reward_sizes = 0.0
+        """The sum of |reward| over `rewards`: every sum of rewards is at most this."""
         self.replaced_calls = 0
         self.in_flight = 0
         self.journal: Callable[[str, Any], None] | None = None
         """Called with (kind, payload) after each change: "call", "reward", "close"."""
+        self.store_errors: list[str] = []
+        """Events of this session the store could not read back (skipped when replayed)."""
         self._cache: tuple[list[Trajectory], int] | None = None
         self._version = 0
 
@@ -188,15 +197,34 @@ class Session:
             raise KeyError(f"session {self.id!r} has no call {call_id!r}; recent calls: {known}")
         if call_id is None and not self.completed_calls():
             raise KeyError(f"session {self.id!r} has no completed call to reward yet")
-        self.rewards.append(RewardRecord(float(value), call_id, choice))
+        value = self._checked_reward(value)
+        self.rewards.append(RewardRecord(value, call_id, choice))
+        self._reward_sizes += abs(value)
         self.terminated = self.terminated or terminated
         self.truncated = self.truncated or truncated
         self.info.update(info or {})
         self._version += 1
         if self.journal is not None:
-            self.journal("reward", {"value": float(value), "call_id": call_id, "choice": choice,
+            self.journal("reward", {"value": value, "call_id": call_id, "choice": choice,
                                     "terminated": terminated, "truncated": truncated,
                                     "info": info or {}})
+
+    def _checked_reward(self, value: float) -> float:
+        """`value` as a float, or a ValueError (nothing changed) when it, or a sum it joins,
+        is not finite: a turn's reward and the session's total are sums of rewards, and an
+        infinite one cannot be answered or exported (JSON has no Infinity; #34)."""
+        reward = finite(value, "a reward")
+        if not math.isfinite(self._reward_sizes + abs(reward)):
+            raise ValueError(f"the reward {reward!r} would take the rewards of session "
+                             f"{self.id!r} past the float range: their sizes (|reward|) must "
+                             f"add up to less than 1.8e308, so that every sum of them (the "
+                             f"session's total, each turn's) is finite; send smaller rewards")
+        return reward
+
+    def flag(self, error: str) -> None:
+        """Note that part of this session was lost (`store_errors`)."""
+        self.store_errors.append(error)
+        self._version += 1
 
     def close(self) -> None:
         self.closed = True
@@ -245,9 +273,12 @@ class Session:
                     "drift": b.drift,
                     "calls": [c for c, _ in b.calls],
                     "choices": [i for _, i in b.calls],
+                    **({"store_errors": list(self.store_errors)} if self.store_errors else {}),
                 },
             )
             traj.uid = f"{self.id}-{seg}"
+            # Part of the session is missing (a reward, a call): nothing to train on.
+            traj.discard = bool(self.store_errors)
             out.append(traj)
         self._cache = (out, self._version)
         return out
@@ -301,6 +332,7 @@ class Session:
             "drift_events": self.drift_events,
             "num_trajectories": len(self._merge()),
             "reward": sum(r.value for r in self.rewards),
+            "store_errors": list(self.store_errors),
         }
 
 

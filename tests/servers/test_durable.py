@@ -3,9 +3,12 @@ restarted server replays it into the same sessions, merged and exported exactly 
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -14,8 +17,11 @@ import time
 import httpx
 import pytest
 
+from agentrl.types import Trajectory
+from servers.app import create_app
 from servers.cli import vocabulary_id
 from servers.durable import SqliteSessionStore
+from servers.serving import serve_in_thread
 from servers.sessions import StoreError
 from servers.testing import FakeEngine
 from tests.servers.test_tool_calls import CALL_TEXT, TOOLS, _episode, _tool_reply
@@ -180,3 +186,120 @@ def test_kill_9_mid_load_loses_no_completed_turn(tmp_path):
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+BAD_REWARDS = [b"NaN", b"Infinity", b"-Infinity", b"1e400", b"1" + b"0" * 400]
+
+
+def _chat(url: str, session: str) -> dict:
+    r = httpx.post(f"{url}/sessions/{session}/v1/chat/completions",
+                   json={"model": "agentrl", "messages": [{"role": "user", "content": "hi"}]})
+    r.raise_for_status()
+    return r.json()
+
+
+def _reward(url: str, session: str, raw: bytes) -> httpx.Response:
+    return httpx.post(f"{url}/sessions/{session}/reward", content=b'{"reward": ' + raw + b"}",
+                      headers={"content-type": "application/json"})
+
+
+def test_a_reward_that_is_not_a_finite_number_is_refused_before_it_is_stored(make_proxy, tok,
+                                                                             tmp_path):
+    """#34 item 1: NaN, infinities, 1e400 and a 400-digit integer were answered 500 after they
+    were in the log, and from then on every list and export failed, across restarts. So was
+    a second 1e308: each reward finite, their sum not."""
+    path = tmp_path / "sessions.sqlite"
+    store = _open(path, tok)
+    p = make_proxy(store=store)
+    _chat(p.url, "s")
+    assert _reward(p.url, "s", b"0.5").status_code == 200
+    for raw in BAD_REWARDS:
+        r = _reward(p.url, "s", raw)
+        assert r.status_code == 400, (raw[:12], r.text)
+        error = r.json()["error"]
+        assert (error["param"], error["code"]) == ("reward", "invalid_reward")
+        assert "finite number" in error["message"] and "got" in error["message"], error
+    assert _reward(p.url, "s", b"1e308").status_code == 200
+    r = _reward(p.url, "s", b"1e308")
+    assert r.status_code == 400 and "past the float range" in r.json()["error"]["message"]
+    summary = httpx.get(f"{p.url}/sessions/s").json()
+    assert summary["reward"] == 0.5 + 1e308 and summary["store_errors"] == []
+    before = _everything(p)
+    assert before[0].count("\n") == 1
+    store.close()
+
+    again = _open(path, tok)
+    rewards = [json.loads(b)["value"] for (b,) in again._db.execute(
+        "SELECT body FROM events WHERE kind = 'reward'")]
+    assert rewards == [0.5, 1e308]  # the refused ones never reached the log
+    q = make_proxy(store=again)
+    assert _everything(q) == before
+    again.close()
+
+
+def test_a_store_holding_bad_values_still_serves_and_exports_everything_else(tok, tmp_path):
+    """#34 item 1: a log written before rewards were checked (or damaged on disk) holds a NaN
+    reward, two rewards whose sum overflows and a row that is not JSON, all of session "bad".
+    After a restart every other session lists and exports in full; "bad" is listed and
+    exported with its readable events, flagged (`store_errors`; its trajectories `discard`),
+    and no body is cut off."""
+    path = tmp_path / "sessions.sqlite"
+    store = _open(path, tok)
+    with serve_in_thread(create_app(FakeEngine(tok), tok, store)) as url:
+        for sid in ("a", "bad", "c"):
+            _chat(url, sid)
+            assert _reward(url, sid, b"1.0").status_code == 200
+        good_before = {sid: httpx.get(f"{url}/sessions/{sid}/export").text for sid in "ac"}
+    store.close()  # the server has stopped; now the file goes bad behind its back
+    with sqlite3.connect(path) as db:
+        rows = [json.dumps({"value": v, "call_id": None, "choice": None, "terminated": True,
+                            "truncated": False, "info": {}}) for v in (math.nan, 1e308, 1e308)]
+        db.executemany("INSERT INTO events (session, kind, body) VALUES ('bad', 'reward', ?)",
+                       [(r,) for r in rows])
+        db.execute("INSERT INTO events (session, kind, body) VALUES ('bad', 'reward', '{oops')")
+
+    again = _open(path, tok)
+    with serve_in_thread(create_app(FakeEngine(tok), tok, again)) as url:
+        listed = httpx.get(f"{url}/sessions")
+        assert listed.status_code == 200, listed.text
+        by_id = {s["id"]: s for s in listed.json()["data"]}
+        assert sorted(by_id) == ["a", "bad", "c"]
+        assert by_id["a"]["store_errors"] == by_id["c"]["store_errors"] == []
+        errors = by_id["bad"]["store_errors"]
+        assert len(errors) == 3 and by_id["bad"]["reward"] == 1.0 + 1e308, errors
+        assert "finite number" in errors[0] and "past the float range" in errors[1]
+        assert "not JSON" in errors[2]
+        for sid in "ac":
+            assert httpx.get(f"{url}/sessions/{sid}/export").text == good_before[sid]
+            assert httpx.get(f"{url}/sessions/{sid}").status_code == 200
+        shown = httpx.get(f"{url}/sessions/bad")
+        assert shown.status_code == 200 and shown.json()["store_errors"] == errors
+        lines = httpx.get(f"{url}/export").text.splitlines()
+        trajs = {t.info["session_id"]: t for t in map(Trajectory.from_json, lines)}
+        assert sorted(trajs) == ["a", "bad", "c"]
+        assert trajs["bad"].discard and trajs["bad"].info["store_errors"] == errors
+        assert not trajs["a"].discard and "store_errors" not in trajs["a"].info
+        [one] = httpx.get(f"{url}/sessions/bad/export").text.splitlines()
+        assert Trajectory.from_json(one).discard
+        _chat(url, "bad")  # the session goes on, still flagged
+        assert _reward(url, "bad", b"2.0").status_code == 200
+    again.close()
+
+
+def test_a_session_that_cannot_be_exported_does_not_cut_off_the_export(make_proxy, tok):
+    """#34 item 1: one session failing mid-export used to end everyone's body mid-stream."""
+    p = make_proxy()
+    for sid in ("a", "b", "c"):
+        _chat(p.url, sid)
+
+    def broken() -> list:
+        raise RuntimeError("cannot merge")
+
+    p.store.get("b").trajectories = broken  # type: ignore[method-assign]
+    r = httpx.get(f"{p.url}/export")
+    assert r.status_code == 200
+    trajs = [Trajectory.from_json(line) for line in r.text.splitlines()]
+    assert [t.info["session_id"] for t in trajs] == ["a", "b", "c"]
+    assert trajs[1].discard and "cannot merge" in trajs[1].info["export_error"]
+    assert not trajs[0].discard and not trajs[2].discard
+    assert httpx.get(f"{p.url}/sessions").status_code == 200

@@ -105,6 +105,25 @@ def test_reward_on_empty_session_is_refused():
         Session("s").add_reward(1.0)
 
 
+def test_a_reward_or_a_sum_of_rewards_that_is_not_finite_is_refused_unrecorded():
+    """#34 item 1: checked before anything changes, so it never reaches a store's journal."""
+    s = Session("s")
+    s.record(_call("a", [1], [2], [3]))
+    journal: list[tuple[str, object]] = []
+    s.journal = lambda kind, payload: journal.append((kind, payload))
+    for bad in (float("nan"), float("inf"), -float("inf"), 10**400):
+        with pytest.raises(ValueError, match=r"a reward must be a finite number .* got"):
+            s.add_reward(bad)
+    s.add_reward(1e308, call_id="a", choice=0)
+    with pytest.raises(ValueError, match="past the float range"):
+        s.add_reward(1e308, call_id="a", choice=1)  # another turn, but the session's total
+    with pytest.raises(ValueError, match=r"sizes \(\|reward\|\) must add up to less"):
+        s.add_reward(-1e308, call_id="a")  # sums finite here, but the bound is on the sizes
+    assert [r.value for r in s.rewards] == [1e308] and len(journal) == 1
+    assert s.summary()["reward"] == 1e308
+    assert [t.rewards for t in s.trajectories()] == [[1e308], [0.0]]
+
+
 def test_images_are_placed_once_in_the_trajectory():
     px = np.zeros((2, 2, 3), dtype=np.uint8)
     s = Session("s")
