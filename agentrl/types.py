@@ -23,6 +23,8 @@ import numpy as np
 
 from agentrl.files import replaced_atomically
 
+_INT32_MAX = 2**31 - 1
+
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 
@@ -36,7 +38,8 @@ class SamplingParams:
     top_p: float = 1.0
     """Nucleus sampling mass, in (0, 1]."""
     top_k: int = 0
-    """Keep only the k most likely tokens; 0 disables."""
+    """Keep only the k most likely tokens; 0 disables. At most 2**31 - 1 (engines hold it in
+    32 bits; a k past the vocabulary keeps every token)."""
     max_tokens: int = 256
     """Most new tokens to sample (the completion stops with finish reason `length`)."""
     stop: tuple[str, ...] = ()
@@ -46,7 +49,8 @@ class SamplingParams:
     n: int = 1
     """Number of independent samples for the prompt."""
     seed: int | None = None
-    """Per-request seed; the same seed, prompt and weights give the same sample."""
+    """Per-request seed; the same seed, prompt and weights give the same sample. A 64-bit
+    signed integer (what engines seed their generators with)."""
     logprobs: bool = True
     """Return the log-probability of each sampled token."""
     raw_logprobs: bool = False
@@ -71,16 +75,20 @@ class SamplingParams:
             raise ValueError(
                 f"SamplingParams.max_tokens must be an integer >= 0, got {self.max_tokens!r}"
             )
-        if not (isinstance(self.temperature, int | float) and self.temperature >= 0):
-            raise ValueError(
-                f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature!r}"
-            )
+        if not (isinstance(self.temperature, int | float) and 0 <= self.temperature < math.inf):
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 "
+                             f"(0 = greedy), got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(
-                f"SamplingParams.top_k must be an integer >= 0 (0 = off), got {self.top_k!r}"
-            )
+        # Out-of-range numbers must fail here, alone: inside an engine's batch they fail every
+        # request batched with them (#34).
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= _INT32_MAX:
+            raise ValueError(f"SamplingParams.top_k must be an integer in [0, {_INT32_MAX}] "
+                             f"(0 = off), got {self.top_k!r}")
+        if self.seed is not None and not (isinstance(self.seed, int | np.integer)
+                                          and -(2**63) <= self.seed < 2**63):
+            raise ValueError(f"SamplingParams.seed must be None or an integer in "
+                             f"[{-(2**63)}, {2**63 - 1}], got {self.seed!r}")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
             raise ValueError(
                 f"SamplingParams.top_logprobs must be an integer in [0, 20], "

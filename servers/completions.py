@@ -81,6 +81,9 @@ async def completions(request: Request) -> Response:
         if any(not 0 <= t < vocab for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         ids = list(prompt)
+    if not ids:  # "", [] or [""]: the engine needs a token to condition on
+        raise APIError(400, "the prompt is empty (it has no tokens); send at least one "
+                            "character of text or one token id", param="prompt")
     session = bind_session(state, request)
     params = sampling_params(
         state, prompt_len=len(ids), max_tokens=req.max_new_tokens(), temperature=req.temperature,

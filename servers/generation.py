@@ -202,17 +202,18 @@ def sampling_params(
 
 
 def _logit_bias(state: ProxyState, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI's `logit_bias` (token id strings -> -100..100) as (id, bias) pairs, or a 400."""
+    """OpenAI's `logit_bias` as (id, bias) pairs, or a 400 for an id outside the vocabulary
+    (`servers.protocol.LogitBias` has checked that keys are ASCII digits, biases in range)."""
     pairs = []
     vocab = len(state.tokenizer)
     for key, value in (bias or {}).items():
-        if not key.isdigit() or int(key) >= vocab:
-            raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab}) (as "
-                                f"strings), got {key[:40]!r}", param="logit_bias")
-        if not -100 <= value <= 100:
-            raise APIError(400, f"logit_bias values must be in [-100, 100], got {value} for "
-                                f"token {key}", param="logit_bias")
-        pairs.append((int(key), float(value)))
+        digits = key.lstrip("0") or "0"
+        # Compared by length first: int() of a 4,301-digit string raises (Python's limit).
+        if len(digits) > len(str(vocab)) or int(digits) >= vocab:
+            shown = key if len(key) <= 20 else key[:17] + "..."
+            raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab}) of this "
+                                f"model's vocabulary, got {shown!r}", param="logit_bias")
+        pairs.append((int(digits), float(value)))
     return tuple(pairs)
 
 

@@ -1,6 +1,8 @@
 """Request bodies of the OpenAI-compatible endpoints, as strict pydantic models.
 
-Strict: a string where a number belongs is a 400, not a silent coercion. Unknown but harmless
+Strict: a string where a number belongs is a 400, not a silent coercion. Every number that
+reaches the engine has a range (the types below), so no value can fail inside the engine's
+batch, where it would fail the requests batched with it (#34). Unknown but harmless
 fields that real clients send (`user`, `metadata`, `store`, `service_tier`,
 `reasoning_effort`, ...) are accepted and ignored (`extra="allow"`).
 Responses are plain dicts shaped like the OpenAI types; tests validate them with the `openai`
@@ -12,12 +14,51 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from servers.finite import check_finite_json, in_range
 from servers.sessions import SESSION_ID_PATTERN
 
 _STRICT = ConfigDict(strict=True, extra="allow")
 _CLOSED = ConfigDict(strict=True, extra="forbid")
+
+MAX_INT32 = 2**31 - 1
+"""Token counts and top-k: engines hold them in 32-bit integers."""
+
+Temperature = Annotated[float, AfterValidator(in_range(0.0, 2.0, note="; 0 is greedy"))]
+TopP = Annotated[float, AfterValidator(in_range(0.0, 1.0, lo_open=True))]
+TopK = Annotated[int, AfterValidator(in_range(0, MAX_INT32, note="; 0 turns top-k off"))]
+MaxTokens = Annotated[int, AfterValidator(in_range(1, MAX_INT32))]
+NumChoices = Annotated[int, AfterValidator(in_range(1, 64))]
+TopLogprobs = Annotated[int, AfterValidator(in_range(0, 20))]
+Penalty = Annotated[float, AfterValidator(in_range(-2.0, 2.0))]
+Seed = Annotated[int, AfterValidator(in_range(-(2**63), 2**63 - 1, note=" (a 64-bit integer)"))]
+_bias = in_range(-100.0, 100.0)
+
+
+def _finite_tree(value: dict) -> dict:
+    check_finite_json(value, "")
+    return value
+
+
+def _token_biases(bias: dict[str, float]) -> dict[str, float]:
+    """OpenAI's `logit_bias`: token ids, as strings of ASCII digits, to biases in [-100, 100]
+    (whether an id is in the vocabulary is the server's to check, `sampling_params`)."""
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            shown = key if len(key) <= 20 else key[:17] + "..."
+            raise ValueError(f'keys must be token ids in plain ASCII digits (0-9), like '
+                             f'{{"50256": -100}}; {shown!r} is not one')
+        try:
+            _bias(value)
+        except ValueError as e:
+            raise ValueError(f"the bias of token {key[:20]} {e}") from None
+    return bias
+
+
+JSONObject = Annotated[dict, AfterValidator(_finite_tree)]
+"""A JSON object read as data (a JSON schema, tool parameters): its numbers must be finite."""
+LogitBias = Annotated[dict[str, float], AfterValidator(_token_biases)]
 
 
 class TextPart(BaseModel):
@@ -92,7 +133,7 @@ class FunctionDef(BaseModel):
     model_config = _STRICT
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
-    parameters: dict | None = None
+    parameters: JSONObject | None = None
     strict: bool | None = None
 
 
@@ -116,7 +157,7 @@ class NamedToolChoice(BaseModel):
 class JSONSchemaSpec(BaseModel):
     model_config = _STRICT
     name: str = Field(min_length=1, max_length=64)
-    schema_: dict | bool = Field(default_factory=dict, alias="schema")
+    schema_: JSONObject | bool = Field(default_factory=dict, alias="schema")
     description: str | None = None
     strict: bool | None = None
 
@@ -151,16 +192,16 @@ class _SamplingFields(BaseModel):
 
     model_config = _STRICT
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    n: int = Field(default=1, ge=1, le=64)
+    max_tokens: MaxTokens | None = None
+    n: NumChoices = 1
     stop: str | list[str] | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
-    seed: int | None = None
-    logit_bias: dict[str, float] | None = None
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
+    logit_bias: LogitBias | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -173,9 +214,9 @@ class _SamplingFields(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: TopLogprobs | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -201,8 +242,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] = Field(min_length=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt: str | list[int] | list[str]
+    """Checked for emptiness once tokenized (`""`, `[]` and `[""]` alike)."""
+    logprobs: TopLogprobs | None = None
     echo: bool = False
 
     def max_new_tokens(self) -> int | None:

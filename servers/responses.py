@@ -48,7 +48,14 @@ from servers.generation import (
     parse_request,
     stored,
 )
-from servers.protocol import ChatCompletionRequest
+from servers.protocol import (
+    ChatCompletionRequest,
+    JSONObject,
+    MaxTokens,
+    Temperature,
+    TopLogprobs,
+    TopP,
+)
 from servers.streaming import ChoiceText
 from servers.tools import ParseEvent, ToolCall
 
@@ -111,9 +118,11 @@ class ReasoningItem(BaseModel):
     type: Literal["reasoning"]
 
 
-def _item_kind(value: Any) -> str:
+def _item_kind(value: Any) -> str | None:
     kind = value.get("type", "message") if isinstance(value, dict) else getattr(
         value, "type", "message")
+    if not isinstance(kind, str):  # e.g. ["function_call"]: no kind (and unhashable)
+        return None
     return kind if kind in _ITEM_KINDS else "unsupported"
 
 
@@ -124,19 +133,22 @@ class UnsupportedItem(BaseModel):
     @field_validator("type")
     @classmethod
     def _refuse(cls, kind: str) -> str:
-        raise ValueError(f"input items of type {kind!r} are not supported; send messages, "
-                         f"function_call and function_call_output items (and their content "
-                         f"in full instead of an item_reference)")
+        raise ValueError(f"input items of type {kind[:60]!r} are not supported; send items "
+                         f"of type {_KINDS_SHOWN} (and their content in full instead of an "
+                         f"item_reference)")
 
 
-_ITEM_KINDS = {"message", "function_call", "function_call_output", "reasoning"}
+_ITEM_KINDS = ("message", "function_call", "function_call_output", "reasoning")
+_KINDS_SHOWN = ", ".join(repr(k) for k in _ITEM_KINDS)
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
     | Annotated[ReasoningItem, Tag("reasoning")]
     | Annotated[UnsupportedItem, Tag("unsupported")],
-    Discriminator(_item_kind),
+    Discriminator(_item_kind, custom_error_type="invalid_item_type",
+                  custom_error_message=f"an input item's `type` must be a string, one of "
+                                       f"{_KINDS_SHOWN}"),
 ]
 
 
@@ -145,7 +157,7 @@ class FunctionTool(BaseModel):
     type: str
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
-    parameters: dict | None = None
+    parameters: JSONObject | None = None
     strict: bool | None = None
 
     @field_validator("type")
@@ -167,7 +179,7 @@ class TextFormatConfig(BaseModel):
     model_config = _STRICT
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
-    schema_: dict | bool | None = Field(default=None, alias="schema")
+    schema_: JSONObject | bool | None = Field(default=None, alias="schema")
     description: str | None = None
     strict: bool | None = None
 
@@ -187,10 +199,10 @@ class ResponsesRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_output_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_logprobs: TopLogprobs | None = None
     include: list[str] | None = None
     metadata: dict[str, str] | None = None
     stream: bool = False

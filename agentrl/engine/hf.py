@@ -63,6 +63,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 DecodeStep = Callable[..., "torch.Tensor | None"]
 """`(model, ids_B, pos_B, cache, mask_B_T, *, counters) -> next-token logits [B, V] | None`."""
+_Drawn = tuple[int, float, list[tuple[int, float]]]
+"""A sample's drawn token, its logprob, and its top alternatives (empty unless asked for)."""
 
 _MIN_SHARED_TOKENS_SAVED = 128
 """Encode the common start of an admission's prompts once on its own only when that saves at
@@ -467,17 +469,35 @@ class TransformersEngine:
         return samples
 
     def _prefill(self, requests: list[Request]) -> None:
+        """Encode the admitted requests' prompts and sample their first tokens. A request that
+        fails here fails alone: a chunk of prompts that fails is encoded again a prompt at a
+        time, and only the requests of a prompt that fails on its own fail (#34)."""
         self.counters["admissions"] += 1
         by_prompt: dict[tuple[int, ...], list[Sample]] = {}
         first: dict[tuple[int, ...], Request] = {}
         for req in requests:  # keyed with the images: equal token ids, other screenshots differ
+            try:
+                samples = self._new_samples(req)
+            except Exception as e:  # noqa: BLE001 - e.g. its grammar's matcher
+                self._fail_request(req, e)
+                continue
             key = tuple(req.key)
-            by_prompt.setdefault(key, []).extend(self._new_samples(req))
+            by_prompt.setdefault(key, []).extend(samples)
             first.setdefault(key, req)
         prompts = sorted(by_prompt, key=len)
         self._prefill_shared_prefix(prompts)
-        for chunk in _chunks(prompts, len, self.max_prefill_tokens):
-            cache, logits = self._prefill_chunk([first[p] for p in chunk])
+        chunks = _chunks(prompts, len, self.max_prefill_tokens)
+        while chunks:
+            chunk = chunks.pop(0)
+            try:
+                cache, logits = self._prefill_chunk([first[p] for p in chunk])
+            except Exception as e:  # noqa: BLE001 - retried alone, or failed alone
+                if len(chunk) > 1:
+                    chunks[:0] = [[p] for p in chunk]
+                else:
+                    for req in {id(s.request): s.request for s in by_prompt[chunk[0]]}.values():
+                        self._fail_request(req, e)
+                continue
             index = [u for u, p in enumerate(chunk) for _ in by_prompt[p]]
             samples = [s for p in chunk for s in by_prompt[p]]
             expanded = cache.select(torch.tensor(index, device=self.device))
@@ -648,57 +668,101 @@ class TransformersEngine:
                 m.gradient_checkpointing = True
 
     def _sample(self, samples: list[Sample], logits_B_V: torch.Tensor) -> None:
-        """Draw the next token of each sample, record it, and finish samples that are done."""
+        """Draw the next token of each sample, record it, and finish samples that are done.
+        A request that fails here fails alone (`_fail_request`): the others go on (#34)."""
+        uniform = [1.0 - float(torch.rand(1, generator=s.generator or self._rng)) for s in samples]
+        drawn: list[_Drawn | None]
+        try:
+            drawn = [*self._draw(samples, logits_B_V, uniform)]
+        except Exception as e:  # noqa: BLE001 - found and failed request by request below
+            logger.warning("drawing a batch of %d samples failed (%r); drawing request by "
+                           "request", len(samples), e)
+            drawn = self._draw_each_request(samples, logits_B_V, uniform)
+        streamed: dict[int, tuple[Request, list[CompletionDelta]]] = {}
+        for s, d in zip(samples, drawn, strict=True):
+            if d is None or s.done:  # its request failed (in this step)
+                continue
+            try:
+                self._take(s, *d)
+            except Exception as e:  # noqa: BLE001 - the request fails, not the batch
+                self._fail_request(s.request, e)
+                continue
+            self.counters["generated_tokens"] += 1
+            if s.request.stream is not None:
+                streamed.setdefault(id(s.request), (s.request, []))[1].append(s.delta(-1))
+        # One hand-off per request and step, before any request resolves: the consumer sees
+        # every token before the end-of-stream marker that `resolve` queues after the deltas.
+        for req, deltas in streamed.values():
+            if not req.failed:
+                req.emit(deltas)
+        for s in samples:
+            if s.done and not s.request.failed:
+                self._on_sample_done(s)
+
+    def _draw(self, samples: list[Sample], logits_B_V: torch.Tensor, uniform: list[float]
+              ) -> list[_Drawn]:
+        """Each sample's next token, its logprob and the top alternatives its request asks
+        for. Each row's draw depends on that row alone (its logits, settings and uniform)."""
         params = [s.request.params for s in samples]
         dev = logits_B_V.device
         temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
         top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
         raw = torch.tensor([p.raw_logprobs for p in params], dtype=torch.bool, device=dev)
-        uniform = torch.tensor(
-            [1.0 - float(torch.rand(1, generator=s.generator or self._rng)) for s in samples]
-        )
         # The grammar's mask comes first: every logprob below, raw ones too, is of the masked
         # distribution (vLLM masks at the same point).
         self.grammars.apply(logits_B_V, [s.matcher for s in samples])
         biased = _with_logit_bias(logits_B_V, params)
-        tokens, lps, logp_B_V = sample_tokens(biased, temp, top_k, top_p, uniform, raw_B=raw)
+        tokens, lps, logp_B_V = sample_tokens(
+            biased, temp, top_k, top_p, torch.tensor(uniform), raw_B=raw
+        )
         if biased is not logits_B_V and bool(raw.any()):  # raw: the model's own, unbiased
             own = torch.log_softmax(logits_B_V.float(), -1).gather(1, tokens[:, None])[:, 0]
             lps = torch.where(raw, own.to(lps.dtype), lps)
         want_top = max(p.top_logprobs for p in params)
-        top_vals: list[list[float]] | None = None
-        top_ids: list[list[int]] | None = None
+        top_vals: list[list[float]] = [[] for _ in samples]
+        top_ids: list[list[int]] = [[] for _ in samples]
         if want_top:
             src = torch.where(raw[:, None], torch.log_softmax(logits_B_V.float(), -1), logp_B_V)
             vals_B_K, ids_B_K = src.topk(want_top, dim=-1)
             top_vals, top_ids = vals_B_K.tolist(), ids_B_K.tolist()
-        self.counters["generated_tokens"] += len(samples)
-        streamed: dict[int, tuple[Request, list[CompletionDelta]]] = {}
-        for i, (s, tok, lp) in enumerate(zip(samples, tokens.tolist(), lps.tolist(), strict=True)):
-            s.tokens.append(tok)
-            s.logprobs.append(lp)
-            if s.matcher is not None and not s.matcher.is_terminated():
-                s.matcher.accept_token(tok)
-            if s.request.params.top_logprobs and top_vals is not None and top_ids is not None:
-                k = s.request.params.top_logprobs
-                s.top.append(
-                    [
-                        (t, v)
-                        for t, v in zip(top_ids[i][:k], top_vals[i][:k], strict=True)
-                        if v > float("-inf")
-                    ]
-                )
-            self._check_finished(s, tok)
-            if s.request.stream is not None:
-                streamed.setdefault(id(s.request), (s.request, []))[1].append(s.delta(-1))
-        # One hand-off per request and step, before any request resolves: the consumer sees
-        # every token before the end-of-stream marker that `resolve` queues after the deltas.
-        for req, deltas in streamed.values():
-            req.emit(deltas)
-        for s in samples:
-            if s.done:
-                self._on_sample_done(s)
+        return [
+            (tok, lp, [(t, v) for t, v in zip(ids[:k], vals[:k], strict=True)
+                       if v > float("-inf")])
+            for tok, lp, ids, vals, k in zip(tokens.tolist(), lps.tolist(), top_ids, top_vals,
+                                             [p.top_logprobs for p in params], strict=True)
+        ]
+
+    def _draw_each_request(self, samples: list[Sample], logits_B_V: torch.Tensor,
+                           uniform: list[float]) -> list[_Drawn | None]:
+        """`_draw` request by request, once the whole batch's draw failed: a request whose own
+        draw fails too is failed (None for its samples); the others get what the batch's draw
+        would have given them."""
+        rows_of: dict[int, list[int]] = {}
+        for i, s in enumerate(samples):
+            rows_of.setdefault(id(s.request), []).append(i)
+        out: list[_Drawn | None] = [None] * len(samples)
+        for rows in rows_of.values():
+            index = torch.tensor(rows, dtype=torch.long, device=logits_B_V.device)
+            try:
+                drawn = self._draw([samples[i] for i in rows], logits_B_V.index_select(0, index),
+                                   [uniform[i] for i in rows])
+            except Exception as e:  # noqa: BLE001 - this request is the one to fail
+                self._fail_request(samples[rows[0]].request, e)
+                continue
+            for i, d in zip(rows, drawn, strict=True):
+                out[i] = d
+        return out
+
+    def _take(self, s: Sample, tok: int, lp: float, top: list[tuple[int, float]]) -> None:
+        """Record a drawn token in its sample, and finish the sample if it is done."""
+        s.tokens.append(tok)
+        s.logprobs.append(lp)
+        if s.matcher is not None and not s.matcher.is_terminated():
+            s.matcher.accept_token(tok)
+        if s.request.params.top_logprobs:
+            s.top.append(top)
+        self._check_finished(s, tok)
 
     def _check_finished(self, s: Sample, tok: int) -> None:
         p = s.request.params
@@ -758,6 +822,19 @@ class TransformersEngine:
         for s in req.samples:
             s.finish = "abort"
         req.finish_all()
+
+    def _fail_request(self, req: Request, error: Exception) -> None:
+        """End one request with a GenerationError, and only it: its samples finish (their rows
+        leave the batch at the next compaction) and its caller gets the error."""
+        logger.error("request %s failed; the requests batched with it go on", req.id,
+                     exc_info=error)
+        for s in req.samples:
+            if not s.done:
+                s.finish = "abort"
+        with self._cv:
+            self._by_id.pop(req.id, None)
+        req.failed = True
+        req.resolve(GenerationError(f"generation failed for this request: {error!r}"))
 
     def _fail_all(self, error: Exception, admitted: list[Request]) -> None:
         requests = {id(s.request): s.request for s in self._rows}

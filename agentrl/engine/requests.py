@@ -149,6 +149,8 @@ class Request:
     """`params.grammar` compiled for the engine's tokenizer (an xgrammar CompiledGrammar)."""
     samples: list[Sample] = field(default_factory=list)
     aborted: bool = False
+    failed: bool = False
+    """The engine failed this request alone (its caller has the error; the batch goes on)."""
     stream: asyncio.Queue[list[CompletionDelta] | None] | None = None
     """For `generate_stream`: deltas of each step, then None once `future` is resolved."""
 
