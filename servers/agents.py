@@ -23,9 +23,9 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-import httpx
 from fastapi import FastAPI
 
+from agentrl.http_client import async_http_client
 from agentrl.rewards import RewardServiceError
 from agentrl.types import Trajectory, group_name
 from servers.serving import serve_in_thread
@@ -104,8 +104,8 @@ async def run_agents(
     if n_samples_per_task < 1:
         raise ValueError(f"n_samples_per_task must be >= 1, got {n_samples_per_task}")
     sem = asyncio.Semaphore(concurrency)
-    async with _server(base_url, app) as root, httpx.AsyncClient(
-        base_url=root, headers={"authorization": f"Bearer {api_key}"}, timeout=None
+    async with _server(base_url, app) as root, async_http_client(
+        timeout_s=None, retries=2, base_url=root, headers={"authorization": f"Bearer {api_key}"}
     ) as http:
 
         async def episode(i: int, j: int, task: TaskT) -> list[Trajectory]:

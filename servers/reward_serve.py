@@ -87,13 +87,13 @@ class RewardServeArgs:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import tyro
     import uvicorn
 
+    from agentrl.command_line import parse_flags
     from agentrl.rewards import reward_fn_from_spec
 
-    args = tyro.cli(RewardServeArgs, args=argv, prog="agentrl reward-serve",
-                    use_underscores=True)
+    args = parse_flags(RewardServeArgs, sys.argv[1:] if argv is None else argv,
+                       prog="agentrl reward-serve")
     try:
         fn = reward_fn_from_spec(args.reward_fn)
     except ValueError as e:

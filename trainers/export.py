@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import tyro
 
+from agentrl.command_line import parse_flags
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -89,8 +91,7 @@ def export(args: ExportArgs) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    args = tyro.cli(ExportArgs, args=argv, prog="agentrl export", description=__doc__,
-                    use_underscores=True)
+    args = parse_flags(ExportArgs, argv, prog="agentrl export", doc=__doc__)
     try:
         out = export(args)
     except ValueError as e:

@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
-from trainers.config import _DEFER, ActorConfig, check_sharded_4bit, deferred_validation
+from agentrl.command_line import deferred_validation, validation_deferred
+from trainers.config import ActorConfig, check_sharded_4bit
 
 C = TypeVar("C", bound="OfflineConfig")
 T = TypeVar("T")
@@ -78,7 +79,7 @@ class OfflineConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if _DEFER.get():
+        if validation_deferred():
             return
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"--eval_fraction must be in [0, 1), got {self.eval_fraction}")
@@ -502,17 +503,11 @@ def cli_main(config_cls: type[C], run: Callable[[C], dict[str, Any]], prog: str,
              doc: str | None, argv: list[str]) -> int:
     """Parse `argv` into `config_cls` (checked once, with the flags applied), run, print the
     summary; a ValueError is a clear message and exit code 2."""
-    import tyro
-
-    from trainers.flags import bool_values, quiet_third_party
+    from agentrl.command_line import parse_flags
+    from trainers.quiet import quiet_third_party
 
     try:
-        with deferred_validation():
-            cfg = tyro.cli(config_cls, args=bool_values(argv, config_cls), prog=prog,
-                           description=doc, config=(tyro.conf.FlagConversionOff,),
-                           use_underscores=True)
-        cfg.actor.__post_init__()
-        cfg.__post_init__()
+        cfg = parse_flags(config_cls, argv, prog=prog, doc=doc)
     except ValueError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainers.config import _DEFER
+from agentrl.command_line import validation_deferred
 from trainers.offline import OfflineConfig, OfflineData, OfflineTrainer, read_examples, truncate
 from trainers.sft import assistant_text
 
@@ -37,7 +37,7 @@ class PairConfig(OfflineConfig):
     """Pairs per forward/backward pass."""
 
     def __post_init__(self) -> None:
-        if _DEFER.get():
+        if validation_deferred():
             return
         super().__post_init__()
         if self.dataset is None:

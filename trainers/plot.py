@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+import tyro
+
+from agentrl.command_line import parse_flags
 
 DEFAULT_KEYS = ("reward", "eval/pass@1", "eval/mean_return", "kl", "entropy", "clip_ratio",
                 "mismatch", "response_tokens", "tokens_per_s", "time_step")
@@ -49,15 +54,20 @@ def plot_run(run_dir: str | Path, keys: tuple[str, ...] = DEFAULT_KEYS) -> list[
     return written
 
 
+@dataclass(frozen=True, kw_only=True)
+class PlotArgs:
+    run_dir: tyro.conf.Positional[str]
+    """The run directory (it holds metrics.jsonl)."""
+    keys: tuple[str, ...] = DEFAULT_KEYS
+    """The metrics to plot, one PNG each (a metric the run did not log is skipped)."""
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="agentrl plot", description=__doc__)
-    parser.add_argument("run_dir")
-    parser.add_argument("--keys", nargs="*", default=list(DEFAULT_KEYS))
-    args = parser.parse_args(argv)
+    args = parse_flags(PlotArgs, argv, prog="agentrl plot", doc=__doc__)
     try:
         paths = plot_run(args.run_dir, tuple(args.keys))
     except ValueError as e:
-        print(f"agentrl plot: {e}")
+        print(f"agentrl plot: {e}", file=sys.stderr)
         return 2
     for p in paths:
         print(p)

@@ -39,7 +39,7 @@ def init_ray(num_cpus: int | None = None, address: str | None = None) -> None:
     if address is not None:
         _check_answers(address)
         # A joined cluster's workers were started by `ray start`, not by this process: hand
-        # them the settings that keep a run quiet (trainers.flags.quiet_third_party).
+        # them the settings that keep a run quiet (trainers.quiet.quiet_third_party).
         quiet = {k: os.environ[k] for k in ("DS_ACCELERATOR", "HF_HUB_DISABLE_PROGRESS_BARS")
                  if k in os.environ}
         try:

@@ -23,8 +23,9 @@ from typing import Any, Literal
 
 import torch
 
+from agentrl.command_line import validation_deferred
 from agentrl.models.value import REWARD_MODEL_HEAD, REWARD_MODEL_MARKER
-from trainers.config import _DEFER, ActorConfig
+from trainers.config import ActorConfig
 from trainers.offline import OfflineData, cli_main, train_offline
 from trainers.pairs import Pair, PairConfig, PairTrainer, load_pairs
 
@@ -39,7 +40,7 @@ class RMConfig(PairConfig):
     run_dir: str = "runs/rm"
 
     def __post_init__(self) -> None:
-        if _DEFER.get():
+        if validation_deferred():
             return
         super().__post_init__()
         if self.loss == "logexp" and self.margin_key is not None:

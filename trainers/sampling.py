@@ -4,7 +4,6 @@ that receives weights in buckets.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 
 from agentrl.plugins import load_callable
+from agentrl.seeding import derive_seed
 from agentrl.types import SamplingParams, Trajectory
 from trainers.config import TrainConfig
 
@@ -89,14 +89,8 @@ def sampling_params(
         temperature=cfg.rollout.temperature if temperature is None else temperature,
         top_p=cfg.rollout.top_p,
         max_tokens=cfg.rollout.max_new_tokens,
-        seed=stable_seed(cfg.seed, purpose),
+        seed=derive_seed(cfg.seed, purpose),
     )
-
-
-def stable_seed(*parts: int | str) -> int:
-    """A 31-bit seed from `parts`, the same in every process (`hash` salts strings)."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
 def collect_for_step(

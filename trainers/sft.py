@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainers.config import _DEFER
+from agentrl.command_line import validation_deferred
 from trainers.offline import (
     OfflineConfig,
     OfflineData,
@@ -52,7 +52,7 @@ class SFTConfig(OfflineConfig):
     run_dir: str = "runs/sft"
 
     def __post_init__(self) -> None:
-        if _DEFER.get():
+        if validation_deferred():
             return
         super().__post_init__()
         if (self.dataset is None) == (self.trajectories is None):

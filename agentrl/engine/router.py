@@ -56,18 +56,18 @@ def engine_devices(num_engines: int, device: str, *, gpus: int, engine: str = "t
     they see, each start with the next `tensor_parallel_size` of `visible` (this process's
     CUDA_VISIBLE_DEVICES entries; default 0..gpus-1) as theirs."""
     if num_engines < 1:
-        raise ValueError(f"--engines must be >= 1, got {num_engines}")
+        raise ValueError(f"--num_engines must be >= 1, got {num_engines}")
     on_gpu = device.startswith("cuda") or (device == "auto" and gpus > 0)
     if not on_gpu:
         return [EnginePlace("cpu")] * num_engines
     if num_engines == 1:
         return [EnginePlace(device if device != "auto" else "cuda")]
     if device.startswith("cuda:"):
-        raise ValueError(f"--engines {num_engines} puts each engine on its own GPU; --device "
+        raise ValueError(f"--num_engines {num_engines} puts each engine on its own GPU; --device "
                          f"{device} names one. Pass --device cuda (or auto)")
     need = num_engines * tensor_parallel_size
     if need > gpus:
-        raise ValueError(f"--engines {num_engines} x --tensor_parallel_size "
+        raise ValueError(f"--num_engines {num_engines} x --tensor_parallel_size "
                          f"{tensor_parallel_size} = {need} GPUs, but {gpus} are visible; use at "
                          f"most {max(gpus // tensor_parallel_size, 1)} engines")
     if engine == "transformers":

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
+
+from agentrl.command_line import parse_flags
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvsArgs:
+    """`agentrl envs` takes no options."""
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="agentrl envs", description=__doc__)
-    parser.parse_args(argv)
+    parse_flags(EnvsArgs, argv, prog="agentrl envs", doc=__doc__)
     from agentrl.envs.registry import list_envs
 
     envs = list_envs()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from agentrl.http_client import http_client
 from agentrl.rewards.batched import BatchedReward, RewardServiceError
 
 
@@ -31,8 +32,8 @@ class RemoteReward(BatchedReward):
     def _post(self, items: list[dict[str, Any]]) -> list[dict[str, Any] | RewardServiceError]:
         import httpx
 
-        if self._client is None:
-            self._client = httpx.Client(timeout=self.timeout_s)
+        if self._client is None:  # scoring is idempotent: a sent batch is retried below too
+            self._client = http_client(timeout_s=self.timeout_s, retries=self.retries)
         why = ""
         for attempt in range(self.retries + 1):
             self.requests += 1

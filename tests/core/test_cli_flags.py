@@ -16,13 +16,12 @@ def test_flag_names_get_underscores_and_values_do_not():
 
 @pytest.mark.parametrize("flag", ["--num_problems", "--num-problems"])
 def test_eval_takes_both_spellings(flag):
-    import tyro
-
+    from agentrl.command_line import parse_flags
     from agentrl.rollout.evaluate import EvalArgs
 
-    args = tyro.cli(EvalArgs, args=underscored([flag, "7", "--max-tokens", "9"]),
-                    use_underscores=True)
-    assert (args.num_problems, args.max_tokens) == (7, 9)
+    args = parse_flags(EvalArgs, underscored([flag, "7", "--max-new-tokens", "9"]),
+                       prog="agentrl eval")
+    assert (args.num_problems, args.max_new_tokens) == (7, 9)
 
 
 @pytest.mark.parametrize("flag", ["--rollout.n_samples_per_prompt", "--rollout.n-samples-per-prompt"])

@@ -92,7 +92,7 @@ def test_engine_devices_and_the_arithmetic_of_too_many():
     assert devices(3, "auto", gpus=0) == [("cpu", None)] * 3
     assert devices(2, "cuda", gpus=4) == [("cuda:0", None), ("cuda:1", None)]
     assert devices(1, "cuda:2", gpus=4) == [("cuda:2", None)]
-    with pytest.raises(ValueError, match=r"--engines 3 x --tensor_parallel_size 2 = 6 GPUs, "
+    with pytest.raises(ValueError, match=r"--num_engines 3 x --tensor_parallel_size 2 = 6 GPUs, "
                                          r"but 4 are visible; use at most 2 engines"):
         engine_devices(3, "cuda", gpus=4, tensor_parallel_size=2, engine="vllm")
     # vLLM engines start their processes on GPUs of their own, named as this process sees them

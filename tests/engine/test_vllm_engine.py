@@ -243,7 +243,7 @@ async def test_an_engine_that_cannot_start_the_update_cancels_it_on_the_others(m
 
 
 def test_several_engines_in_one_process_start_on_their_own_gpus(make_engine, monkeypatch):
-    """`agentrl serve --engines 2 --tensor_parallel_size 2` on four GPUs: each vLLM engine's
+    """`agentrl serve --num_engines 2 --tensor_parallel_size 2` on four GPUs: each vLLM engine's
     processes start with its own CUDA_VISIBLE_DEVICES (they copy the environment when
     spawned); this process's stays as it was."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")

@@ -148,3 +148,15 @@ def test_env_kwargs_for_cli():
         env_kwargs_for(EvalArgs(env_kwargs="[1]"), "agentrl/MathTIR-v0")
     # An env without splits gets none.
     assert env_kwargs_for(EvalArgs(env="reverse"), "agentrl/Reverse-v0") == {}
+
+
+def test_the_former_data_flags_become_env_kwargs(caplog):
+    """eval's math-only --data.* flags are env arguments now; the old spelling still works for
+    one release, merged into --env_kwargs, with a warning that shows the new one."""
+    from agentrl.rollout.evaluate import _data_flags_as_env_kwargs
+
+    argv = _data_flags_as_env_kwargs(["--data.tasks", "gsm_symbolic", "--data.difficulty=easy",
+                                      "--env_kwargs", '{"max_turns": 2}', "-k", "2"])
+    assert argv[:2] == ["--env_kwargs", '{"tasks": "gsm_symbolic", "difficulty": "easy", '
+                                        '"max_turns": 2}'] and argv[2:] == ["-k", "2"]
+    assert "pass --env_kwargs '{\"tasks\": \"gsm_symbolic\"" in caplog.text

@@ -70,3 +70,25 @@ def test_engine_and_device_are_checked_before_loading(tmp_path, capsys, monkeypa
                  "--out", out]) == 2
     assert "--tensor_parallel_size > 1 and --enable_sleep need --engine vllm" in (
         capsys.readouterr().err)
+
+
+def test_one_flag_style_for_every_command(caplog):
+    """Every command parses through agentrl.command_line: booleans take a value in any case, the
+    bare flag or its --no_ form; eval and rollout spell the per-turn budget as train does
+    (--max_new_tokens), the old --max_tokens working for one release with a warning."""
+    from agentrl.command_line import parse_flags
+    from agentrl.rollout.cli import RENAMED, RolloutArgs
+    from agentrl.rollout.evaluate import EvalArgs
+    from servers.cli import ServeArgs
+
+    args = parse_flags(RolloutArgs, ["--env", "reverse", "--max_tokens", "8", "--progress",
+                                     "FALSE"], prog="agentrl rollout", renamed=RENAMED)
+    assert args.max_new_tokens == 8 and args.progress is False
+    assert "--max_tokens is now --max_new_tokens" in caplog.text
+    assert parse_flags(EvalArgs, ["--no_progress"], prog="agentrl eval").progress is False
+    assert parse_flags(EvalArgs, [], prog="agentrl eval").temperature == 0.0  # greedy evals
+    serve = parse_flags(ServeArgs, ["--engines", "2", "--allow_image_urls"], prog="agentrl serve",
+                        renamed={"--engines": "--num_engines"})
+    assert serve.num_engines == 2 and serve.allow_image_urls is True
+    with pytest.raises(ValueError, match=r"^--gpu_memory_utilization must be in \(0, 1\]"):
+        EvalArgs(gpu_memory_utilization=1.5)

@@ -38,9 +38,9 @@ def test_an_unknown_engine_says_did_you_mean(capsys, monkeypatch):
     from agentrl import models
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model was loaded"))
-    with pytest.raises(SystemExit):
-        main(["serve", "--engine", "vlm"])
-    assert "Did you mean 'vllm'" in capsys.readouterr().err
+    assert main(["serve", "--engine", "vlm"]) == 2
+    assert "agentrl serve: --engine 'vlm' is not an engine. Did you mean 'vllm'" in (
+        capsys.readouterr().err)
 
 
 def test_vllm_without_the_package_says_what_to_install(capsys, monkeypatch):
@@ -53,8 +53,7 @@ def test_vllm_without_the_package_says_what_to_install(capsys, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "vllm" else find(name, *a))
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model was loaded"))
-    with pytest.raises(SystemExit):
-        main(["serve", "--engine", "vllm"])
+    assert main(["serve", "--engine", "vllm"]) == 2
     assert "the vllm package is not installed" in capsys.readouterr().err
 
 
@@ -76,8 +75,8 @@ def test_more_engines_than_gpus_is_refused_before_loading(capsys, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model was loaded"))
-    assert main(["serve", "--model", "tiny", "--engines", "3", "--device", "cuda"]) == 2
-    assert "--engines 3 x --tensor_parallel_size 1 = 3 GPUs, but 2 are visible" in (
+    assert main(["serve", "--model", "tiny", "--num_engines", "3", "--device", "cuda"]) == 2
+    assert "--num_engines 3 x --tensor_parallel_size 1 = 3 GPUs, but 2 are visible" in (
         capsys.readouterr().err)
 
 
@@ -113,7 +112,7 @@ def test_several_vllm_engines_on_gpus_each_start_on_their_own(capsys, monkeypatc
     monkeypatch.setattr(agentrl.engine, "open_engine", open_engine)
     monkeypatch.setattr(servers.cli, "_run_with_announce",
                         lambda server, announce: served.append(server.config.app))
-    assert main(["serve", "--model", "tiny", "--engine", "vllm", "--engines", "2",
+    assert main(["serve", "--model", "tiny", "--engine", "vllm", "--num_engines", "2",
                  "--tensor_parallel_size", "2", "--device", "cuda",
                  "--store", str(tmp_path / "sessions.db")]) == 0
     assert [(k["device"], k["cuda_visible_devices"]) for k in opened] == [
