@@ -152,6 +152,16 @@ class EngineOptions:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LocalEngineOptions(EngineOptions):
+    """An engine a command starts for itself (eval, rollout)."""
+
+    device: str = "auto"
+    """Where the transformers engine runs: auto (cuda when a GPU is visible), cpu, cuda, cuda:N."""
+    max_batch_size: int = 64
+    """Most sequences the engine decodes together."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingOptions:
     """How each turn is sampled: the same flags in train (under --rollout.), eval and rollout."""
 

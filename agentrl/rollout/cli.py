@@ -16,7 +16,12 @@ from typing import Annotated
 
 import tyro
 
-from agentrl.command_line import EngineOptions, SamplingOptions, parse_flags, validation_deferred
+from agentrl.command_line import (
+    LocalEngineOptions,
+    SamplingOptions,
+    parse_flags,
+    validation_deferred,
+)
 from agentrl.models import DEFAULT_MODEL
 from agentrl.rollout.budget import check_budget
 
@@ -26,7 +31,7 @@ release)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class RolloutArgs(EngineOptions, SamplingOptions):
+class RolloutArgs(LocalEngineOptions, SamplingOptions):
     """Sample trajectories from an environment and write them as JSON lines."""
 
     env: str
@@ -45,17 +50,13 @@ class RolloutArgs(EngineOptions, SamplingOptions):
     """First reset seed; also seeds sampling, so a rerun gives the same file."""
     out: Path = Path("rollouts.jsonl")
     """Where to write the trajectories."""
-    device: str = "auto"
-    """Where the transformers engine runs: auto (cuda when a GPU is visible), cpu, cuda, cuda:N."""
-    max_batch_size: int = 64
-    """Most sequences the engine decodes together."""
     progress: bool = True
     """Show a progress bar."""
 
     def __post_init__(self) -> None:
         if validation_deferred():
             return
-        EngineOptions.__post_init__(self)
+        LocalEngineOptions.__post_init__(self)
         SamplingOptions.__post_init__(self)
         for name in ("samples", "prompts"):
             if getattr(self, name) < 1:

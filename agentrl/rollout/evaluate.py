@@ -29,7 +29,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import tyro
 
-from agentrl.command_line import EngineOptions, SamplingOptions, parse_flags, validation_deferred
+from agentrl.command_line import (
+    LocalEngineOptions,
+    SamplingOptions,
+    parse_flags,
+    validation_deferred,
+)
 from agentrl.models import DEFAULT_MODEL
 from agentrl.rollout.budget import check_budget
 from agentrl.types import SamplingParams, Trajectory
@@ -215,7 +220,7 @@ def evaluate(
 
 
 @dataclass(frozen=True, kw_only=True)
-class EvalArgs(EngineOptions, SamplingOptions):
+class EvalArgs(LocalEngineOptions, SamplingOptions):
     """Evaluate a model on an environment: pass@1 and pass@k over its eval split."""
 
     env: str = "math-tir"
@@ -244,17 +249,13 @@ class EvalArgs(EngineOptions, SamplingOptions):
     '{"data_path": "problems.jsonl"}' (`help(gym.spec(ID).kwargs["target"])` lists them)."""
     out: Path | None = None
     """Write the trajectories here as JSON lines."""
-    device: str = "auto"
-    """Where the transformers engine runs: auto (cuda when a GPU is visible), cpu, cuda, cuda:N."""
-    max_batch_size: int = 64
-    """Most sequences the engine decodes together."""
     progress: bool = True
     """Show a progress bar."""
 
     def __post_init__(self) -> None:
         if validation_deferred():
             return
-        EngineOptions.__post_init__(self)
+        LocalEngineOptions.__post_init__(self)
         SamplingOptions.__post_init__(self)
         for name in ("num_problems", "k"):
             if getattr(self, name) < 1:

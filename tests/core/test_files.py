@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -34,25 +36,31 @@ def test_a_directory_is_replaced_whole(tmp_path):
     assert (target / "worker.pt").read_text() == "second" and not partial_writes(tmp_path)
 
 
+def _writers(write: Callable[[Any], None], payloads: list[Any], times: int) -> list[BaseException]:
+    """Each payload written `times` times by a thread of its own, all at once; their errors."""
+    errors: list[BaseException] = []
+
+    def run(payload: Any) -> None:
+        try:
+            for _ in range(times):
+                write(payload)
+        except BaseException as e:  # noqa: BLE001 (returned to the test)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in payloads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
 def test_concurrent_writers_never_mix(tmp_path):
     """Two writers of one file (threads of one process: same pid) each leave a whole file; with
     a fixed temporary name one's rename could publish the other's half-written file."""
     path = tmp_path / "traj.jsonl"
     payloads = [f"{i}\n" * 20_000 for i in range(8)]
-    errors: list[BaseException] = []
-
-    def write(text: str) -> None:
-        try:
-            for _ in range(5):
-                write_atomically(path, text)
-        except BaseException as e:  # noqa: BLE001 (reported below)
-            errors.append(e)
-
-    threads = [threading.Thread(target=write, args=(p,)) for p in payloads]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = _writers(lambda text: write_atomically(path, text), payloads, times=5)
     assert not errors and path.read_text() in payloads and not partial_writes(tmp_path)
 
 
@@ -64,19 +72,6 @@ def test_concurrent_trajectory_saves_never_mix(tmp_path):
     path = tmp_path / "rollouts.jsonl"
     batches = [[Trajectory(token_ids=[i] * 50, loss_mask=[0] * 50, logprobs=[0.0] * 50,
                            turns=[]) for _ in range(400)] for i in range(6)]
-    errors: list[BaseException] = []
-
-    def save(batch: list[Trajectory]) -> None:
-        try:
-            for _ in range(3):
-                save_jsonl(batch, path)
-        except BaseException as e:  # noqa: BLE001 (reported below)
-            errors.append(e)
-
-    threads = [threading.Thread(target=save, args=(b,)) for b in batches]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = _writers(lambda batch: save_jsonl(batch, path), batches, times=3)
     loaded = load_jsonl(path)
     assert not errors and len(loaded) == 400 and len({t.token_ids[0] for t in loaded}) == 1
