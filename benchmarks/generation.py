@@ -27,24 +27,7 @@ import subprocess
 import sys
 import time
 
-QUESTIONS = [
-    "What is 2+3?",
-    "What is 7*6?",
-    "Name a primary color.",
-    "What is the capital of France?",
-    "What is 10-4?",
-    "Spell the word cat backwards.",
-    "What is 9+10?",
-    "How many legs does a dog have?",
-    "Write a haiku about the sea.",
-    "Explain what a prime number is.",
-    "Give me three tips for sleeping well.",
-    "What is the boiling point of water?",
-    "Tell me a short story about a robot.",
-    "Why is the sky blue?",
-    "List four fruits.",
-    "What does a CPU do?",
-]
+from workloads import QUESTIONS  # benchmarks/workloads.py
 
 
 def build_prompts(tokenizer, n: int) -> list[list[int]]:

@@ -26,17 +26,9 @@ import tempfile
 import time
 
 from machine import run_child  # benchmarks/machine.py
+from workloads import QUESTIONS, trl_step_timer  # benchmarks/workloads.py
 
-PROMPTS = [
-    "What is 2+3?",
-    "What is 7*6?",
-    "Name a primary color.",
-    "What is the capital of France?",
-    "What is 10-4?",
-    "Spell the word cat backwards.",
-    "What is 9+10?",
-    "How many legs does a dog have?",
-]
+PROMPTS = QUESTIONS[:8]
 
 
 def length_reward(text: str) -> float:
@@ -93,7 +85,7 @@ def run_agentrl(steps: int, use_ray: bool, gc: bool, bf16: bool) -> dict:
 
 def run_trl(steps: int, bf16: bool) -> dict:
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from agentrl.models.embedded import embedded_dir, make_trainable
@@ -109,13 +101,6 @@ def run_trl(steps: int, bf16: bool) -> dict:
         return [length_reward(c[0]["content"]) for c in completions]
 
     times: list[float] = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t)
 
     cfg = GRPOConfig(
         output_dir=out_dir,
@@ -143,7 +128,7 @@ def run_trl(steps: int, bf16: bool) -> dict:
         args=cfg,
         train_dataset=data,
         processing_class=tok,
-        callbacks=[Timer()],
+        callbacks=[trl_step_timer(times)],
     )
     t0 = time.perf_counter()
     try:

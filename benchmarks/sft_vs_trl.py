@@ -26,6 +26,7 @@ import tempfile
 import time
 
 from machine import cpu_description, run_child  # benchmarks/machine.py
+from workloads import trl_step_timer  # benchmarks/workloads.py
 
 WORDS = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "rocket", "garden",
          "window", "yellow", "silver", "planet", "coffee", "bridge", "mountain"]
@@ -70,7 +71,7 @@ def run_agentrl(steps: int) -> dict:
 
 def run_trl(steps: int) -> dict:
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     from agentrl.models.embedded import embedded_dir, make_trainable
@@ -86,19 +87,12 @@ def run_trl(steps: int) -> dict:
         for user, reply in conversations()])
     times: list[float] = []
 
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t)
-
     cfg = SFTConfig(output_dir=out_dir, per_device_train_batch_size=8,
                     gradient_accumulation_steps=1, max_steps=steps, learning_rate=1e-5,
                     use_cpu=True, bf16=False, fp16=False, logging_steps=1, report_to="none",
                     save_strategy="no", seed=0, completion_only_loss=True)
     trainer = SFTTrainer(model=model, args=cfg, train_dataset=data, processing_class=tok,
-                         callbacks=[Timer()])
+                         callbacks=[trl_step_timer(times)])
     try:
         trainer.train()
     finally:
