@@ -21,7 +21,8 @@ from typing import Any, Literal
 
 from agentrl.command_line import validation_deferred
 from trainers.config import ActorConfig
-from trainers.offline import OfflineData, cli_main, train_offline
+from trainers.offline_data import OfflineData
+from trainers.offline_run import cli_main, train_offline
 from trainers.pairs import Pair, PairConfig, PairTrainer, load_pairs
 
 
@@ -95,7 +96,7 @@ class DPOTrainer(PairTrainer):
         """log pi(reply | prompt) of each pair's chosen and rejected reply, `[2P]` in order."""
         from agentrl.algorithms.preference import sequence_logprobs
 
-        batch = self.batch([t for p in pairs for t in (p.chosen, p.rejected)])
+        batch = self.replies_batch(pairs)
         [(idx, n)] = batch.micro_batches(list(range(batch.size)), batch.size)
         logp = self.logprobs(module, batch, (idx, n))
         return sequence_logprobs(logp, batch.mask[idx, : n - 1])

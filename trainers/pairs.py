@@ -18,7 +18,9 @@ import torch
 from torch import Tensor
 
 from agentrl.command_line import validation_deferred
-from trainers.offline import OfflineConfig, OfflineData, OfflineTrainer, read_examples, truncate
+from trainers.offline_config import OfflineConfig
+from trainers.offline_data import OfflineData, read_examples, truncate
+from trainers.offline_trainer import OfflineTrainer
 from trainers.sft import assistant_text
 
 
@@ -126,6 +128,11 @@ class PairTrainer(OfflineTrainer):
     def pair_loss(self, module: Any, pairs: list[Pair]) -> tuple[Tensor, Tensor, Tensor]:
         """(loss_B, chosen score_B, rejected score_B) of `pairs` under `module`."""
         raise NotImplementedError
+
+    def replies_batch(self, pairs: list[Pair]) -> Any:
+        """Each pair's chosen and rejected reply as one batch of 2P rows, in that order (a
+        pair's chosen at row 2i, its rejected at 2i + 1)."""
+        return self.batch([t for p in pairs for t in (p.chosen, p.rejected)])
 
     def _sums(self, module: Any, pairs: list[Pair], weights: list[float],
               divisor: float) -> tuple[Tensor, dict[str, float]]:

@@ -26,7 +26,8 @@ import torch
 from agentrl.command_line import validation_deferred
 from agentrl.models.value import REWARD_MODEL_HEAD, REWARD_MODEL_MARKER
 from trainers.config import ActorConfig
-from trainers.offline import OfflineData, cli_main, train_offline
+from trainers.offline_data import OfflineData
+from trainers.offline_run import cli_main, train_offline
 from trainers.pairs import Pair, PairConfig, PairTrainer, load_pairs
 
 
@@ -70,7 +71,7 @@ class RMTrainer(PairTrainer):
         from agentrl.backends.device import autocast
         from trainers.logprobs import padded_inputs
 
-        batch = self.batch([t for p in pairs for t in (p.chosen, p.rejected)])
+        batch = self.replies_batch(pairs)
         rows = (torch.arange(batch.size, device=batch.input_ids.device),
                 int(batch.lengths.max()))
         inputs = padded_inputs(batch, rows, None)

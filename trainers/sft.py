@@ -13,7 +13,7 @@ recorded token ids and loss masks.
 
 The loss is the mean negative log-likelihood per target token of each optimizer step
 (`agentrl.algorithms.preference.sft_loss`); the held-out split's is reported as `eval/loss`.
-Flags, steps, checkpoints and logging are the offline trainers' (trainers/offline.py).
+Flags, steps, checkpoints and logging are the offline trainers' (trainers/offline_run.py).
 """
 
 from __future__ import annotations
@@ -23,16 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.command_line import validation_deferred
-from trainers.offline import (
-    OfflineConfig,
-    OfflineData,
-    OfflineTrainer,
-    cli_main,
-    held_out,
-    read_examples,
-    train_offline,
-    truncate,
-)
+from trainers.offline_config import OfflineConfig
+from trainers.offline_data import OfflineData, held_out, read_examples, truncate
+from trainers.offline_run import cli_main, train_offline
+from trainers.offline_trainer import OfflineTrainer
 
 
 @dataclass(frozen=True, kw_only=True)

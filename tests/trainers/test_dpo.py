@@ -5,34 +5,17 @@ reported."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
 
 from agentrl.cli import main
-from trainers.config import ActorConfig
+from tests.trainers._preference_pairs import pair_config
 from trainers.dpo import DPOConfig, DPOTrainer, load_pairs, run_dpo
-
-WORDS = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "rocket"]
-
-
-def _pairs(path, n=160, seed=0):
-    rng = random.Random(seed)
-    with path.open("w") as f:
-        for _ in range(n):
-            w, other = (" ".join(rng.sample(WORDS, 2)) for _ in range(2))
-            if w != other:
-                f.write(json.dumps({"prompt": f"Repeat: {w}", "chosen": w,
-                                    "rejected": other}) + "\n")
-    return path
 
 
 def _cfg(tmp_path, **kw):
-    base = {"actor": ActorConfig(model="tiny", lr=1e-3), "run_dir": str(tmp_path / "run"),
-            "progress": False, "tensorboard": False, "eval_fraction": 0.15,
-            "dataset": str(_pairs(tmp_path / "pairs.jsonl"))}
-    return DPOConfig(**{**base, **kw})
+    return pair_config(DPOConfig, tmp_path, **kw)
 
 
 def _reply_logprob(model, traj) -> float:

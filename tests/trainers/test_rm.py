@@ -4,36 +4,18 @@ chance, saved so that it loads back with the same scores."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
 
 from agentrl.cli import main
-from trainers.config import ActorConfig
 from agentrl.models.value import load_reward_model
+from tests.trainers._preference_pairs import WORDS, pair_config, write_pairs
 from trainers.rm import RMConfig, run_rm
-
-WORDS = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "rocket"]
-
-
-def _pairs(path, n=160, seed=0):
-    """Separable: the chosen reply repeats the prompt's words, the rejected one does not."""
-    rng = random.Random(seed)
-    with path.open("w") as f:
-        for _ in range(n):
-            w, other = (" ".join(rng.sample(WORDS, 2)) for _ in range(2))
-            if w != other:
-                f.write(json.dumps({"prompt": f"Repeat: {w}", "chosen": w, "rejected": other,
-                                    "margin": 1.0}) + "\n")
-    return path
 
 
 def _cfg(tmp_path, **kw):
-    base = {"actor": ActorConfig(model="tiny", lr=1e-3), "run_dir": str(tmp_path / "run"),
-            "progress": False, "tensorboard": False, "eval_fraction": 0.15,
-            "dataset": str(_pairs(tmp_path / "pairs.jsonl"))}
-    return RMConfig(**{**base, **kw})
+    return pair_config(RMConfig, tmp_path, columns={"margin": 1.0}, **kw)
 
 
 @pytest.mark.slow
@@ -59,7 +41,7 @@ def test_held_out_pairwise_accuracy_rises_and_the_model_loads_back(tmp_path, kw)
 
 
 def test_bad_settings_and_files(tmp_path, capsys):
-    pairs = str(_pairs(tmp_path / "pairs.jsonl", n=4))
+    pairs = str(write_pairs(tmp_path / "pairs.jsonl", n=4, margin=1.0))
     assert main(["rm", "--dataset", pairs, "--loss", "logexp", "--margin_key", "margin"]) == 2
     assert "--loss logexp takes no margin" in capsys.readouterr().err
     with pytest.raises(ValueError, match="not a reward model saved by `agentrl rm`"):
@@ -72,9 +54,9 @@ def test_a_reward_model_scores_single_turn_rl_in_its_own_actor_and_starts_the_cr
                                                                                     capsys):
     """#18 item 2: `--reward.model DIR` scores the episodes (in a Ray actor, in batches) and
     `--algo.critic_init DIR` starts PPO's critic from the same reward model."""
+    from agentrl.rewards.model import RewardModelScorer
     from agentrl.types import load_jsonl
     from trainers.cli import main as train
-    from agentrl.rewards.model import RewardModelScorer
 
     summary = run_rm(_cfg(tmp_path, max_steps=3))
     rm_dir = summary["reward_model"]
