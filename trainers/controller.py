@@ -14,7 +14,6 @@ off-policy corrections use, `--algo.mismatch_correction`).
 
 from __future__ import annotations
 
-import collections
 import functools
 import itertools
 import json
@@ -25,8 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agentrl.backends import DISTRIBUTED, NonFiniteLossError
-from agentrl.types import Trajectory, dense_group_ids, iter_jsonl, save_jsonl
+from agentrl.backends import NonFiniteLossError
+from agentrl.types import iter_jsonl, save_jsonl
 from trainers.checkpoint import (
     best_checkpoint,
     latest_checkpoint,
@@ -39,85 +38,32 @@ from trainers.checkpoint import (
 )
 from trainers.config import TrainConfig
 from trainers.metrics import MetricsLogger
-from trainers.ray_utils import actor_options, free_tcp_address
+from trainers.rl_step import (
+    MAX_REFILLS,
+    Sampled,
+    discard_placeholders,
+    informative,
+    next_kl_coef,
+    refill,
+    summarize,
+    training_batch,
+)
+from trainers.workers import (
+    Handle,
+    PolicyRanks,
+    Ready,
+    TrainingError,
+    start_workers,
+    visible_gpus,
+    worker_nodes,
+)
 
 logger = logging.getLogger(__name__)
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on; the last checkpoint is intact and named in the message."""
 
 
 class StopRequested(TrainingError):
     """The run was asked to stop (`Trainer.request_stop`, SIGTERM in the CLI); it stopped
     between steps with a checkpoint of the last one."""
-
-
-class _Handle:
-    """Calls methods on a local object or a Ray actor with one interface."""
-
-    def __init__(self, obj: Any, remote: bool) -> None:
-        self.obj, self.remote = obj, remote
-
-    def submit(self, method: str, *args: Any, group: str | None = None) -> Any:
-        """Start `method`; on an actor, in its concurrency `group` if one is named."""
-        if self.remote:
-            call = getattr(self.obj, method)
-            return (call.options(concurrency_group=group) if group else call).remote(*args)
-        return getattr(self.obj, method)(*args)
-
-    def result(self, future: Any) -> Any:
-        if isinstance(future, _Ready):
-            return future.value
-        if not self.remote:
-            return future
-        import ray
-
-        try:
-            return ray.get(future)
-        except ray.exceptions.RayActorError as e:
-            raise TrainingError(f"a Ray worker died: {e}") from e
-
-    def call(self, method: str, *args: Any, group: str | None = None) -> Any:
-        return self.result(self.submit(method, *args, group=group))
-
-
-class _Group:
-    """Data-parallel policy ranks: every call goes to all of them (collectives inside need
-    every rank); `call` gives rank 0's result, `call_all` every rank's. `train` gets each rank
-    its slice of the batch, with the slice of the step's group ids (numbered once over the
-    whole batch)."""
-
-    remote = True
-
-    def __init__(self, actors: list[Any]) -> None:
-        self.actors = actors
-        self.obj = actors[0]
-
-    def call(self, method: str, *args: Any) -> Any:
-        return self.call_all(method, *args)[0]
-
-    def call_all(self, method: str, *args: Any) -> list[Any]:
-        """Every rank's result, in rank order."""
-        import ray
-
-        if method == "train":
-            trajs, kl_coef, group_ids = args
-            # Contiguous, sizes differing by at most one (after discards the batch need not
-            # divide evenly); losses use global counts, so the update is the same.
-            n, ranks = len(trajs), len(self.actors)
-            bounds = [n * i // ranks for i in range(ranks + 1)]
-            futures = [
-                a.train.remote(trajs[bounds[i] : bounds[i + 1]], kl_coef,
-                               group_ids[bounds[i] : bounds[i + 1]])
-                for i, a in enumerate(self.actors)
-            ]
-        else:
-            futures = [getattr(a, method).remote(*args) for a in self.actors]
-        try:
-            return list(ray.get(futures))
-        except ray.exceptions.RayActorError as e:
-            raise TrainingError(f"a Ray worker died: {e}") from e
 
 
 class Trainer:
@@ -131,9 +77,10 @@ class Trainer:
         self.queue: deque[tuple[int, Any]] = deque()
         self._eval_rates: dict[str, dict[int, float]] = {}  # eval name -> problem -> pass@1
         self._replay = iter_jsonl(cfg.replay) if cfg.replay else None
-        self.policy: _Handle | _Group | None = None
-        self.rollout: _Handle | None = None
+        self.policy: Handle | PolicyRanks | None = None
+        self.rollout: Handle | None = None
         self.weight_sync = "rpc"  # how weights reach a rollout worker (trainers/weight_sync.py)
+        self.engine_actors: list[Any] = []  # --rollout.num_engines' extra EngineWorker actors
         self.nodes: dict[str, Any] = {}
         self._stop: str | None = None  # why the run was asked to stop (see request_stop)
         self.on_started: list[Callable[[], None]] = []
@@ -141,14 +88,14 @@ class Trainer:
         after Ray has installed its own."""
 
     @property
-    def _policy(self) -> _Handle | _Group:
+    def _policy(self) -> Handle | PolicyRanks:
         """The policy worker(s), once `run` has started them."""
         if self.policy is None:
             raise RuntimeError("the workers are not started (Trainer.run starts them)")
         return self.policy
 
     @property
-    def _rollout(self) -> _Handle:
+    def _rollout(self) -> Handle:
         """The worker that samples: the rollout actor, or the colocated policy worker."""
         if self.rollout is None:
             raise RuntimeError("no worker samples (not started, or replaying rollouts)")
@@ -156,93 +103,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up
     def _start_workers(self) -> None:
-        from trainers.policy import PolicyWorker
-        from trainers.sampling import WEIGHTS_GROUP, RolloutWorker
-        from trainers.weight_sync import engine_weight_transfer, weight_sync_plan
+        from trainers.weight_sync import weight_sync_plan
 
-        cfg = self.cfg
-        placed = cfg.rollout.mode == "placed"
-        self.engine_actors: list[Any] = []  # --rollout.num_engines' extra EngineWorker actors
-        # The policy samples only when colocated and not replaying recorded rollouts ... and for
-        # evals, which run on the rollout worker when there is one.
-        engine = not placed and (cfg.replay is None or cfg.eval_problems > 0)
-        if cfg.use_ray:
-            import ray
-
-            from trainers.ray_utils import init_ray
-
-            init_ray(address=cfg.ray.address)
-            gpus = int(ray.cluster_resources().get("GPU", 0))
-            preflight(cfg, gpus)
-            self.weight_sync = weight_sync_plan(cfg, gpus)
-            rollout = placed and cfg.replay is None
-            policy_opts, rollout_opts = actor_options(cfg, rollout=rollout)
-            if cfg.backend in DISTRIBUTED:
-                addr = free_tcp_address()
-                ranks = [
-                    ray.remote(PolicyWorker)
-                    .options(**opts)
-                    .remote(
-                        cfg,
-                        with_engine=False,
-                        rank=r,
-                        world_size=cfg.num_policy_workers,
-                        dist_addr=addr,
-                    )
-                    for r, opts in enumerate(policy_opts)
-                ]
-                self.policy = _Group(ranks)
-            else:
-                policy = (
-                    ray.remote(PolicyWorker)
-                    .options(**policy_opts[0])
-                    .remote(cfg, with_engine=engine)
-                )
-                self.policy = _Handle(policy, True)
-            if rollout:
-                from trainers.sampling import EngineWorker
-
-                # Engines past the first live in actors of their own; the rollout worker routes
-                # between its engine and theirs.
-                transfer = engine_weight_transfer(self.weight_sync)
-                extra = [ray.remote(EngineWorker).options(**opts).remote(cfg, transfer)
-                         for opts in rollout_opts[1:]]
-                # A weight update (or broadcast step) runs in its own concurrency group, while an
-                # async batch is still being collected: its requests go on with the new weights
-                # (partial rollout) instead of the update waiting for the longest of them.
-                # (Ray's type stubs lack `concurrency_groups`, which only `ray.remote` takes.)
-                remote = ray.remote(concurrency_groups={WEIGHTS_GROUP: 1})  # type: ignore[call-overload]
-                worker = remote(RolloutWorker).options(**rollout_opts[0]).remote(
-                    cfg, transfer, extra, rollout_opts[1:])
-                self.engine_actors = extra
-                self.rollout = _Handle(worker, True)
-        else:
-            import torch
-
-            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            preflight(cfg, gpus)
-            self.weight_sync = weight_sync_plan(cfg, gpus)
-            self.policy = _Handle(PolicyWorker(cfg, with_engine=engine), False)
-            if placed and cfg.replay is None:
-                self.rollout = _Handle(RolloutWorker(cfg), False)
-        if self.rollout is None and cfg.replay is None:
-            # Colocated: the policy worker samples too (a single one: distributed backends are
-            # placed, which the config checks).
-            assert isinstance(self.policy, _Handle)
-            self.rollout = self.policy
-        self.nodes = self._nodes()
+        gpus = visible_gpus(self.cfg)  # (starting Ray if the run uses it)
+        preflight(self.cfg, gpus)
+        self.weight_sync = weight_sync_plan(self.cfg, gpus)
+        workers = start_workers(self.cfg, self.weight_sync)
+        self.policy, self.rollout = workers.policy, workers.rollout
+        self.engine_actors = workers.engine_actors
+        self.nodes = worker_nodes(workers)
         logger.info("Ray nodes: %s", self.nodes)
         for callback in self.on_started:
             callback()
-
-    def _nodes(self) -> dict[str, Any]:
-        """Which Ray node each worker runs on: policy ranks in order, and the rollout worker."""
-        policy = self._policy
-        ranks = [policy.call("node")] if isinstance(policy, _Handle) else policy.call_all("node")
-        out: dict[str, Any] = {"policy": ranks}
-        if self.rollout is not None and self.rollout is not policy:
-            out["rollout"] = self.rollout.call("node")
-        return out
 
     # ------------------------------------------------------------------ the loop
     def request_stop(self, why: str) -> None:
@@ -318,6 +190,11 @@ class Trainer:
             except Exception as e:  # noqa: BLE001 (the run stands; say what did not stop)
                 logger.warning("could not stop a worker's engine: %s", e)
 
+    @property
+    def _colocated(self) -> bool:
+        """The policy worker samples: the batch stays in it for the step's computation."""
+        return self.rollout is not None and self.rollout is self.policy
+
     @functools.cached_property
     def _image_token(self) -> int | None:
         """The policy's image placeholder token (None for a text-only model)."""
@@ -327,39 +204,20 @@ class Trainer:
         vision = vision_processor(load_tokenizer(self.cfg.actor.model))
         return vision.image_token_id if vision is not None else None
 
-    def _discard_sampled_placeholders(self, trajectories: list[Trajectory]) -> None:
-        """A vision-language policy that sampled its image placeholder token wrote something no
-        model input can hold (the model puts an image wherever that token is): the episode is
-        discarded (kept in the rollouts file, counted, not trained on). An env episode that went
-        on after it already failed at its next turn; this catches the last turn's, and proxy
-        sessions'."""
-        token = self._image_token
-        if token is None:
-            return
-        for t in trajectories:
-            if not t.discard and any(i == token and m for i, m in zip(t.token_ids, t.loss_mask,
-                                                                       strict=True)):
-                t.discard = True
-                t.info["error"] = ("the policy sampled its image placeholder token; the episode "
-                                   "cannot be scored with images and is not trained on")
-
     def _train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         sampled, t_rollout = self._next_batch()
-        self._discard_sampled_placeholders(sampled)
         if self.cfg.save_rollouts:  # discarded episodes too: nothing sampled is lost
-            save_jsonl(sampled, self.run_dir / "rollouts" / f"step_{self.step + 1:06d}.jsonl")
-        trajs = [t for t in sampled if not t.discard]
-        if len(trajs) < self.cfg.num_policy_workers:
+            assert sampled.trajectories is not None
+            save_jsonl(sampled.trajectories,
+                       self.run_dir / "rollouts" / f"step_{self.step + 1:06d}.jsonl")
+        if sampled.num_kept < self.cfg.num_policy_workers:
             return self._bad_step(TrainingError(
-                f"{len(sampled) - len(trajs)} of {len(sampled)} episodes were discarded (their "
-                f"environment or sandbox failed{_commonest_error(sampled)}; see info in the "
-                f"step's rollouts file)"))
-        scored = self._shape_rewards(trajs)
+                f"{sampled.num_episodes - sampled.num_kept} of {sampled.num_episodes} episodes "
+                f"were discarded (their environment or sandbox failed{sampled.discard_error}; "
+                f"see info in the step's rollouts file)"))
         try:
-            metrics = self.policy.call(  # type: ignore[union-attr]
-                "train", scored, self.kl_coef, dense_group_ids(scored)
-            )
+            metrics = self._train(sampled)
         except Exception as e:
             # Ray re-raises a worker's exception as an instance of its class too (and keeps it
             # as `.cause`), so this holds for local and remote workers alike.
@@ -369,25 +227,31 @@ class Trainer:
             return self._bad_step(e)
         self.step += 1
         self._sync_weights()
-        if self.cfg.algo.kl_target is not None and "kl" in metrics:
-            from agentrl.algorithms import adaptive_kl_coef
-
-            self.kl_coef = adaptive_kl_coef(
-                self.kl_coef,
-                metrics["kl"],
-                target=self.cfg.algo.kl_target,
-                horizon=self.cfg.algo.kl_horizon,
-                n_steps=len(trajs),
-            )
-        metrics.update(_rollout_metrics(trajs), discarded=float(len(sampled) - len(trajs)))
-        versions = [v for t in trajs for v in t.policy_versions]
+        if "kl" in metrics:
+            self.kl_coef = next_kl_coef(self.kl_coef, metrics["kl"], self.cfg.algo,
+                                        n_steps=sampled.num_kept)
+        metrics["discarded"] = float(sampled.num_episodes - sampled.num_kept)
         # How many updates behind the policy the sampled tokens are (0 when on-policy).
-        metrics["policy_lag"] = float(self.step - 1 - min(versions)) if versions else 0.0
+        lag = self.step - 1 - sampled.min_version if sampled.min_version is not None else 0
+        metrics["policy_lag"] = float(lag)
         metrics.update(
             kl_coef=self.kl_coef, time_rollout=t_rollout, time_step=time.perf_counter() - t0
         )
-        gen = sum(t.num_policy_tokens for t in trajs)
-        metrics["tokens_per_s"] = gen / t_rollout if t_rollout > 0 else 0.0
+        tokens = sampled.policy_tokens
+        metrics["tokens_per_s"] = tokens / t_rollout if t_rollout > 0 else 0.0
+        return metrics
+
+    def _train(self, sampled: Sampled) -> dict[str, Any]:
+        """One update on the step's batch; the metrics include the rollout's. Colocated, the
+        worker trains on the batch it kept; otherwise the batch is here, on its way to the
+        policy ranks, and its episodes are chosen and shaped here."""
+        if self._colocated:
+            return self._policy.call("train_collected", self.kl_coef)
+        assert sampled.trajectories is not None
+        trajs, group_ids, rollout = training_batch(
+            sampled.trajectories, self.cfg.algo, max_new_tokens=self.cfg.rollout.max_new_tokens)
+        metrics = self._policy.call("train", trajs, self.kl_coef, group_ids)
+        metrics.update(rollout)
         return metrics
 
     def _bad_step(self, error: Exception) -> dict[str, Any]:
@@ -404,91 +268,53 @@ class Trainer:
         return {"skipped": 1, "bad_steps": self.bad_steps}
 
     # ------------------------------------------------------------------ rollouts
-    def _seeds(self) -> list[int]:
+    def _seeds(self, rounds: int) -> list[list[int]]:
+        """The prompt seeds of the next `rounds` rounds, one list a round (not yet used)."""
         n = self.cfg.rollout.prompts_per_step
-        seeds = [self.cfg.seed * 1_000_003 + self.data_pos + i for i in range(n)]
-        self.data_pos += n
+        return [[self.cfg.seed * 1_000_003 + self.data_pos + r * n + i for i in range(n)]
+                for r in range(rounds)]
+
+    def _use_seeds(self) -> list[int]:
+        """The next round's prompt seeds, counted as used."""
+        [seeds] = self._seeds(1)
+        self.data_pos += len(seeds)
         return seeds
 
-    def _next_batch(self) -> tuple[list[Trajectory], float]:
+    def _next_batch(self) -> tuple[Sampled, float]:
         t0 = time.perf_counter()
+        algo = self.cfg.algo
+        if self._colocated:  # sampled, filtered and kept in the worker
+            rounds = 1 + (MAX_REFILLS if algo.dynamic_filter != "none" else 0)
+            sampled = self._rollout.call("collect_step", self._seeds(rounds), self.step)
+            self.data_pos += sampled.rounds * self.cfg.rollout.prompts_per_step
+            self._check_filtered(sampled.num_episodes)
+            return sampled, time.perf_counter() - t0
         if self._replay is not None:
             batch = list(itertools.islice(self._replay, self.cfg.rollout_batch_size))
             if len(batch) < self.cfg.rollout_batch_size:
                 raise TrainingError(f"--replay {self.cfg.replay} ran out of trajectories")
             self.data_pos += self.cfg.rollout.prompts_per_step
-            return batch, time.perf_counter() - t0
-        depth = self.cfg.rollout.async_depth
-        while len(self.queue) <= depth:
-            step = self.step + len(self.queue)
-            self.queue.append((step, self._rollout.submit("collect", self._seeds(), step)))
-        _, future = self.queue.popleft()
-        trajs = self._rollout.result(future)
-        if self.cfg.algo.dynamic_filter != "none":
-            trajs = self._refill(self._filter(trajs))
-        return trajs, time.perf_counter() - t0
+        else:
+            while len(self.queue) <= self.cfg.rollout.async_depth:
+                step = self.step + len(self.queue)
+                self.queue.append((step, self._rollout.submit("collect", self._use_seeds(), step)))
+            batch = self._rollout.result(self.queue.popleft()[1])
+            if algo.dynamic_filter != "none":
+                batch = refill(
+                    informative(batch, algo.dynamic_filter),
+                    lambda: self._rollout.call("collect", self._use_seeds(), self.step),
+                    criterion=algo.dynamic_filter, want=self.cfg.rollout_batch_size,
+                    group_size=self.cfg.rollout.n_samples_per_prompt)
+                self._check_filtered(len(batch))
+        discard_placeholders(batch, self._image_token)
+        return summarize(batch), time.perf_counter() - t0
 
-    def _filter(self, trajs: list[Trajectory]) -> list[Trajectory]:
-        """DAPO dynamic filtering: drop groups whose rewards carry no signal (and discarded
-        episodes, whose rewards mean nothing)."""
-        import torch
-
-        from agentrl.algorithms import dynamic_filter
-
-        trajs = [t for t in trajs if not t.discard]
-        if not trajs:
-            return []
-        keep = dynamic_filter(
-            torch.tensor([t.total_reward for t in trajs]),
-            torch.tensor(dense_group_ids(trajs)),
-            criterion=self.cfg.algo.dynamic_filter,
-        )
-        return [t for t, k in zip(trajs, keep.tolist(), strict=True) if k]
-
-    def _refill(self, kept: list[Trajectory], max_rounds: int = 4) -> list[Trajectory]:
-        """Sample more prompts until the batch is full again (or give up after max_rounds and
-        train on the accepted groups: unlike OpenRLHF, accepted groups are never dropped)."""
-        want = self.cfg.rollout_batch_size
-        for _ in range(max_rounds):
-            if len(kept) >= want:
-                break
-            more = self._rollout.call("collect", self._seeds(), self.step)
-            kept += self._filter(more)
-        if not kept:
+    def _check_filtered(self, kept: int) -> None:
+        if kept == 0 and self.cfg.algo.dynamic_filter != "none":
             raise TrainingError(
                 "dynamic filtering rejected every group (all rewards equal); use "
                 "--algo.dynamic_filter none or an easier/harder task"
             )
-        n = self.cfg.rollout.n_samples_per_prompt
-        return kept[: max(n, (min(len(kept), want) // n) * n)]
-
-    def _shape_rewards(self, trajs: list[Trajectory]) -> list[Trajectory]:
-        """DAPO overlong and ProRL truncation penalties, applied to the last turn's reward before
-        any baseline; dynamic filtering is not applied here (see AlgoConfig.dynamic_filter)."""
-        algo = self.cfg.algo
-        if not algo.overlong_buffer and algo.truncation_penalty is None:
-            return trajs
-        import torch
-
-        from agentrl.algorithms import overlong_penalty, truncation_penalty
-
-        rewards = torch.tensor([t.turns[-1].reward if t.turns else 0.0 for t in trajs])
-        if algo.overlong_buffer:
-            lengths = torch.tensor([t.turns[-1].end - t.turns[-1].start for t in trajs])
-            rewards = overlong_penalty(
-                rewards,
-                lengths,
-                max_new_tokens=self.cfg.rollout.max_new_tokens,
-                buffer=algo.overlong_buffer,
-                factor=algo.overlong_factor,
-            )
-        if algo.truncation_penalty is not None:
-            truncated = torch.tensor([t.turns[-1].finish_reason == "length" for t in trajs])
-            rewards = truncation_penalty(rewards, truncated, algo.truncation_penalty)
-        for t, r in zip(trajs, rewards.tolist(), strict=True):
-            if t.turns:
-                t.turns[-1].reward = float(r)
-        return trajs
 
     def _sync_weights(self) -> None:
         if self.rollout is None or self.rollout is self.policy:
@@ -544,7 +370,7 @@ class Trainer:
     def save(self) -> Path:
         # Rollouts already sampled ahead (async) are saved so a resume trains on them too.
         pending = [(s, self._rollout.result(f)) for s, f in self.queue] if self.queue else []
-        self.queue = deque((s, _Ready(t)) for s, t in pending)
+        self.queue = deque((s, Ready(t)) for s, t in pending)
         state = {
             "step": self.step,
             "data_pos": self.data_pos,
@@ -571,7 +397,7 @@ class Trainer:
         self.kl_coef, self.bad_steps = float(state["kl_coef"]), int(state["bad_steps"])
         it = iter(queue)
         self.queue = deque(
-            (s, _Ready([next(it) for _ in range(n)]))
+            (s, Ready([next(it) for _ in range(n)]))
             for s, n in zip(state["queue_steps"], state["queue_sizes"], strict=True)
         )
         if self._replay is not None:
@@ -604,35 +430,3 @@ def preflight(cfg: TrainConfig, gpus: int) -> None:
                 f"--num_policy_workers {cfg.num_policy_workers} + --rollout.num_engines "
                 f"{engines} x --rollout.tensor_parallel_size {tp} = {need} GPUs, but {gpus} are "
                 f"visible; use at most {max((gpus - cfg.num_policy_workers) // tp, 0)} engines")
-
-
-def _commonest_error(trajs: list[Trajectory]) -> str:
-    """', most often with: <error> (k episodes)' for a message, or '' if none carries one."""
-    errors = collections.Counter(str(t.info["error"]) for t in trajs
-                                 if t.discard and "error" in t.info)
-    if not errors:
-        return ""
-    error, k = errors.most_common(1)[0]
-    return f", most often with: {error[:500]} ({k} episode{'s' if k > 1 else ''})"
-
-
-class _Ready:
-    """A rollout already in hand, standing in the queue where a future would."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-def _rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
-    n = max(len(trajs), 1)
-    rewards = [t.total_reward for t in trajs]
-    mean = sum(rewards) / n
-    return {
-        "reward": mean,
-        "reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
-        "response_tokens": sum(t.num_policy_tokens for t in trajs) / n,
-        "turns": sum(len(t.turns) for t in trajs) / n,
-        "truncated": sum(t.truncated for t in trajs) / n,
-        "drift_events": float(sum(int(t.info.get("drift_events", 0)) for t in trajs)),
-        "env_errors": float(sum("error" in t.info for t in trajs)),
-    }

@@ -17,8 +17,9 @@ def run(cfg: TrainConfig) -> int:
     stopped by SIGTERM (between steps, with a checkpoint). Ray is shut down before returning,
     so no helper process outlives the command."""
     from agentrl.sandbox import SandboxUnavailableError
-    from trainers.controller import StopRequested, Trainer, TrainingError
+    from trainers.controller import StopRequested, Trainer
     from trainers.ray_utils import shutdown_ray
+    from trainers.workers import TrainingError
 
     trainer = Trainer(cfg)
     restore: list[Callable[[], None]] = []

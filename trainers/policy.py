@@ -3,10 +3,11 @@
 It runs in a Ray actor (or in-process with `use_ray=False`). The policy, and where the
 algorithm needs them a frozen reference and a critic, each sit behind a backend of the
 configured kind on the configured device; the worker computes log-probs with one function
-(`trainers.logprobs.token_logprobs`) and the losses with agentrl/algorithms, and hands each loss
-to its backend.
+(`trainers.logprobs.token_logprobs`) and the advantages and losses with trainers/rl_step.py,
+and hands each loss to its backend.
 Colocated, it also owns the sampling engine, which shares the very nn.Module being trained:
-weight sync is a version bump.
+weight sync is a version bump. It then keeps the batch it sampled and runs the step's
+selection and shaping on it in place (`collect_step`, `train_collected`).
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ from agentrl.backends import (
 from agentrl.backends.device import autocast
 from agentrl.backends.distributed import all_sum
 from agentrl.models.lora import adapters_off, is_lora, load_policy, merged_weights
-from trainers.advantages import batch_advantages
+from agentrl.types import Trajectory
+from trainers import rl_step
 from trainers.batch import RolloutBatch, add_images, collate, group_sorted, length_sorted
 from trainers.config import TrainConfig
 from trainers.logprobs import Rows, padded_inputs, token_logprobs
-from trainers.losses import policy_loss, value_loss
 
 
 class PolicyWorker:
@@ -100,6 +101,7 @@ class PolicyWorker:
         self.version = 0
         self.shared_tokens = 0  # prompt tokens not re-encoded thanks to prefix sharing
         self.engine: Any = None
+        self._collected: list[Trajectory] = []  # colocated: the batch collect_step sampled
         self._broadcast: Any = None  # placed on GPUs: rank 0's end of the weight broadcast
         # The transformers engine samples from self.model itself: a weight sync is a version
         # bump. vLLM holds its own copy, loaded after every update.
@@ -184,7 +186,7 @@ class PolicyWorker:
         if self.has_ref and not algo.kl_as_loss:
             old = batch.extras.get("old_logp", batch.rollout_logp)
             kl = A.kl_estimate(algo.kl_estimator, old, batch.extras["ref_logp"]) * batch.mask
-        adv, ret = batch_advantages(algo, batch, kl, kl_coef, rank=self.rank)
+        adv, ret = rl_step.batch_advantages(algo, batch, kl, kl_coef, rank=self.rank)
         batch.extras["advantages"], batch.extras["returns"] = adv, ret
         metrics = self._epochs(batch)
         metrics.update(
@@ -246,8 +248,8 @@ class PolicyWorker:
     ) -> tuple[Tensor, dict[str, float]]:
         logp, ent = self._logprobs(self.policy, module, batch, rows, entropy=True)
         assert ent is not None
-        return policy_loss(self.cfg, batch, rows, logp, ent, num_tokens=num_tokens,
-                           num_seqs=num_seqs, with_ref=self.has_ref)
+        return rl_step.policy_loss(self.cfg, batch, rows, logp, ent, num_tokens=num_tokens,
+                                   num_seqs=num_seqs, with_ref=self.has_ref)
 
     def _critic_step(self, batch: RolloutBatch, rows: list[int], num_tokens: float) -> float:
         """One critic update on `rows`; as for the policy, the loss is normalised by the global
@@ -256,7 +258,7 @@ class PolicyWorker:
 
         def loss_fn(module: nn.Module, mb: Rows) -> tuple[Tensor, dict[str, float]]:
             values = self._values(module, batch, mb)
-            return value_loss(self.cfg, batch, mb, values, num_tokens=num_tokens)
+            return rl_step.value_loss(self.cfg, batch, mb, values, num_tokens=num_tokens)
 
         total = 0.0
         for mb in batch.micro_batches(length_sorted(batch, rows), self.cfg.micro_batch_size):
@@ -270,6 +272,41 @@ class PolicyWorker:
 
         fn = collect_agent_episodes if self.cfg.agent else collect_for_step
         return self._sampling(fn, seeds, step)
+
+    def collect_step(self, seeds: list[list[int]], step: int) -> rl_step.Sampled:
+        """Colocated: sample the step's batch and keep it here for `train_collected`: prompts
+        `seeds[0]`, and with dynamic filtering refills from `seeds[1:]` (one list a round).
+        Returns its summary, with the trajectories if the run saves them (the driver writes
+        them); the driver advances its prompts by the rounds used."""
+        algo, rounds = self.cfg.algo, iter(seeds)
+        used = 0
+
+        def more() -> list[Trajectory]:
+            nonlocal used
+            used += 1
+            return self.collect(next(rounds), step)
+
+        batch = more()
+        if algo.dynamic_filter != "none":
+            batch = rl_step.refill(
+                rl_step.informative(batch, algo.dynamic_filter), more,
+                criterion=algo.dynamic_filter, want=self.cfg.rollout_batch_size,
+                group_size=self.cfg.rollout.n_samples_per_prompt,
+                max_rounds=min(rl_step.MAX_REFILLS, len(seeds) - 1))
+        image_token = self.vision.image_token_id if self.vision is not None else None
+        rl_step.discard_placeholders(batch, image_token)
+        self._collected = batch
+        return rl_step.summarize(batch, rounds=used, keep=self.cfg.save_rollouts)
+
+    def train_collected(self, kl_coef: float) -> dict[str, float]:
+        """Colocated: `train` on the batch `collect_step` kept, its episodes chosen and shaped
+        here (`rl_step.training_batch`); the metrics include the rollout's."""
+        trajs, group_ids, rollout = rl_step.training_batch(
+            self._collected, self.cfg.algo, max_new_tokens=self.cfg.rollout.max_new_tokens)
+        self._collected = []
+        metrics = self.train(trajs, kl_coef, group_ids)
+        metrics.update(rollout)
+        return metrics
 
     def evaluate(self) -> dict[str, Any]:
         from trainers.sampling import evaluate_engine

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from agentrl.types import load_jsonl, save_jsonl
-from trainers.controller import Trainer, TrainingError
+from trainers.controller import Trainer
+from trainers.workers import TrainingError
 
 
 def _with_discards(recorded_rollouts, tmp_path, discard):

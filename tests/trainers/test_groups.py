@@ -53,8 +53,7 @@ def test_dense_group_ids_number_first_appearances_and_ungrouped_alone():
 def test_two_ranks_use_the_steps_numbering(monkeypatch, estimator):
     """Rank 1's slice starts with group "c", then meets "b" and "d" of rank 0: numbered per rank
     they would collide; numbered once for the step, two ranks give one process's advantages."""
-    from trainers import advantages
-    from trainers.advantages import batch_advantages
+    from trainers import rl_step
     from trainers.batch import collate
     from trainers.config import AlgoConfig
 
@@ -62,17 +61,17 @@ def test_two_ranks_use_the_steps_numbering(monkeypatch, estimator):
     trajs = _batch()
     ids = dense_group_ids(trajs)
     whole = collate(trajs, 0, ids)
-    want, _ = batch_advantages(algo, whole, None, 0.0)
+    want, _ = rl_step.batch_advantages(algo, whole, None, 0.0)
     assert whole.group_ids.tolist() == ids and collate(trajs, 0).group_ids.tolist() == ids
 
     gather = _AllGather(2)
-    monkeypatch.setattr(advantages, "gather_objects", gather)
+    monkeypatch.setattr(rl_step, "gather_objects", gather)
 
     def rank(r: int) -> torch.Tensor:
         gather.local.rank = r
         lo, hi = 4 * r, 4 * r + 4
         batch = collate(trajs[lo:hi], 0, ids[lo:hi])
-        return batch_advantages(algo, batch, None, 0.0, rank=r)[0]
+        return rl_step.batch_advantages(algo, batch, None, 0.0, rank=r)[0]
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         got = list(pool.map(rank, [0, 1]))
@@ -82,14 +81,13 @@ def test_two_ranks_use_the_steps_numbering(monkeypatch, estimator):
         assert not torch.equal(adv, torch.zeros_like(adv))
 
 
-def test_dynamic_filtering_uses_the_same_numbering(make_cfg):
-    from trainers.controller import Trainer
+def test_dynamic_filtering_uses_the_same_numbering():
+    from trainers.rl_step import informative
 
-    trainer = Trainer(make_cfg(algo={"dynamic_filter": "std"}))
     trajs = [_traj(g, r, 2) for g, r in
              [("a", 1.0), ("a", 1.0), (None, 0.0), (None, 1.0), ("b", 0.0), ("b", 1.0)]]
     # "a" carries no signal; ungrouped episodes are groups of one (as advantages see them).
-    assert [t.group for t in trainer._filter(trajs)] == ["b", "b"]
+    assert [t.group for t in informative(trajs, "std")] == ["b", "b"]
 
 
 def test_agent_sessions_are_grouped_like_env_episodes(make_cfg, tmp_path, tiny_tokenizer):

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from trainers.checkpoint import latest_checkpoint, load_checkpoint
-from trainers.controller import Trainer, TrainingError
+from trainers.controller import Trainer
+from trainers.workers import TrainingError
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from trainers.checkpoint import latest_checkpoint, load_checkpoint
-from trainers.controller import Trainer, TrainingError
+from trainers.controller import Trainer
+from trainers.workers import TrainingError
 
 ALGOS = {
     "ppo": dict(estimator="gae", critic_lr=3e-3),

@@ -192,6 +192,7 @@ def test_an_episode_whose_policy_sampled_the_image_token_is_discarded(tmp_path):
     from agentrl.models.vision import vision_processor
     from agentrl.types import TrajectoryBuilder
     from trainers.controller import Trainer
+    from trainers.rl_step import discard_placeholders
 
     from .conftest import tiny_cfg
 
@@ -207,6 +208,7 @@ def test_an_episode_whose_policy_sampled_the_image_token_is_discarded(tmp_path):
         return b.build(terminated=True, truncated=False)
 
     fine, stray = episode([4, 5]), episode([4, image])
-    trainer._discard_sampled_placeholders([fine, stray])
+    assert trainer._image_token == image  # what the driver passes; a colocated worker, its own
+    discard_placeholders([fine, stray], trainer._image_token)
     assert not fine.discard
     assert stray.discard and "image placeholder" in stray.info["error"]
