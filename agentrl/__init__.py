@@ -28,6 +28,10 @@ register(
     "agentrl.rewards.single_turn:SingleTurnEnv",
     summary="Single-turn RL from a dataset file and a reward function (--dataset, --reward_fn).",
     aliases=("single-turn",),
+    usage=("gym.make('agentrl/SingleTurn-v0', dataset='data.jsonl', reward_fn='rewards.py:score'), "
+           "where data.jsonl has rows like {\"prompt\": \"2+2?\", \"label\": \"4\"} and "
+           "rewards.py defines score(prompt, response, label) -> float (CLI: agentrl train "
+           "--dataset data.jsonl --reward_fn rewards.py:score)"),
 )
 load_plugins()
 

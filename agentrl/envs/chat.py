@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 StepResult = tuple[list[Message], float, bool, bool, dict[str, Any]]
 
+DEFAULT_IMAGE_TOKENIZER = "embedded-vlm"
+"""The tokenizer an env that shows images gets when given none: the embedded vision-language
+model's (a named model, `agentrl.models.named`, built on first use)."""
+
 
 class ChatEnv:
     """Text-level environment. Subclass and implement `reset` and `step`.
@@ -33,11 +37,14 @@ class ChatEnv:
       `new_messages` are what the policy sees next (user / tool messages).
     - `self.np_random` is a seeded `numpy.random.Generator`, set before each `reset`.
     - `tools` (OpenAI function schemas) are rendered through the chat template.
-    - Images go in list-of-parts content, `{"type": "image", "image": uint8 HxWx3}`; a
-      screenshot env sets `image_shape` (H, W, 3), the shape of its observation space's images.
+    - Images go in list-of-parts content, `{"type": "image", "image": uint8 HxWx3}`. An env
+      that shows images sets the class attribute `shows_images = True` (so the bridge defaults
+      to a vision-language model and refuses a text-only one) and `image_shape` (H, W, 3), the
+      shape of its observation space's images.
     """
 
     tools: list[dict] | None = None
+    shows_images: ClassVar[bool] = False
     image_shape: tuple[int, int, int] | None = None
     np_random: np.random.Generator
 
@@ -53,6 +60,28 @@ class ChatEnv:
         """Release resources (sandboxes, files). Called when the token env closes."""
 
 
+def shows_images(chat_env: ChatEnv) -> bool:
+    """Whether a chat env's observations hold images: it says so (`shows_images`) or gives
+    their shape (`image_shape`)."""
+    return bool(chat_env.shows_images) or getattr(chat_env, "image_shape", None) is not None
+
+
+def _vision_of(tokenizer: Any, env_name: str) -> VisionProcessor:
+    """The image path of the tokenizer's model, or a one-line error naming the fix (instead of
+    the Jinja error a text-only chat template raises at the first image)."""
+    from agentrl.models.vision import ImageError, vision_processor
+
+    vision = vision_processor(tokenizer)
+    if vision is None:
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise ImageError(
+            f"{env_name} shows images, but tokenizer {name!r} belongs to a text-only model; pass "
+            f"tokenizer={DEFAULT_IMAGE_TOKENIZER!r} (the default, built in) or a vision-language "
+            f"model's name or directory (e.g. tokenizer='/models/Qwen2.5-VL-3B-Instruct')"
+        )
+    return vision
+
+
 class ChatTokenEnv(TokenEnv):
     """Serves a `ChatEnv` at token level for one tokenizer.
 
@@ -66,7 +95,9 @@ class ChatTokenEnv(TokenEnv):
     only when the chat env does, or when the template cannot render it (`template_error`).
 
     Images in messages are expanded by `vision` (default: the tokenizer's model's, see
-    `agentrl.models.vision.vision_processor`).
+    `agentrl.models.vision.vision_processor`). A chat env that shows images
+    (`ChatEnv.shows_images`, or an `image_shape`) defaults to `DEFAULT_IMAGE_TOKENIZER` and
+    refuses, when built, a tokenizer whose model cannot see.
     """
 
     def __init__(
@@ -82,7 +113,12 @@ class ChatTokenEnv(TokenEnv):
         if not isinstance(chat_env, ChatEnv):
             raise TypeError(f"ChatTokenEnv wraps a ChatEnv, got {type(chat_env).__name__}")
         self.chat_env = chat_env
+        images = shows_images(chat_env)
+        if tokenizer is None and images and vision is None:
+            tokenizer = DEFAULT_IMAGE_TOKENIZER
         self.tokenizer = resolve_tokenizer(tokenizer)
+        if images and vision is None:
+            vision = _vision_of(self.tokenizer, type(chat_env).__name__)
         self.bridge = ChatTemplateBridge(self.tokenizer, getattr(chat_env, "tools", None), vision)
         self.check = check_drift
         shape = getattr(chat_env, "image_shape", None)

@@ -3,7 +3,12 @@
 Every id is `<namespace>/<Name>-v<N>` (built-ins use `agentrl/`). The entry point may be a
 `TokenEnv` class, a `ChatEnv` class, any factory returning either, or a "module:attr" string
 (imported only when the env is made, so `import agentrl` stays light). Chat envs are wrapped
-in the token-level bridge for `tokenizer=` (an object, a model name, or the embedded default).
+in the token-level bridge for `tokenizer=` (an object, a model name, or the default: the embedded
+model, or the embedded vision-language model for an env that shows images, `ChatEnv.shows_images`).
+
+`gym.make(id)` alone builds every built-in env. An env whose constructor needs arguments says
+which, in one line with an example call (its `register(..., usage=)`), instead of Python's bare
+missing-argument TypeError.
 
 Turn and token budgets are not env arguments: the rollout loop enforces them for every env
 (`agentrl.rollout.collect(max_turns=, max_episode_tokens=)`). `gym.make(id, max_turns=N)` reaches
@@ -13,6 +18,7 @@ only an env whose constructor takes `max_turns` as a rule of its own task (math-
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -42,6 +48,8 @@ class EnvInfo:
     id: str
     summary: str
     aliases: tuple[str, ...]
+    usage: str = ""
+    """An example `gym.make` call with the arguments the env needs (empty: it needs none)."""
 
 
 _ENVS: dict[str, EnvInfo] = {}
@@ -54,6 +62,7 @@ def register(
     *,
     summary: str | None = None,
     aliases: tuple[str, ...] = (),
+    usage: str = "",
     **kwargs: Any,
 ) -> None:
     """Register an environment id with gymnasium (and agentrl's CLI names).
@@ -64,6 +73,8 @@ def register(
         entry_point: TokenEnv or ChatEnv class, factory, or "module:attr" string.
         summary: one line for `agentrl envs` (defaults to the entry point's docstring).
         aliases: short names for the CLI, e.g. ("math-tir",).
+        usage: for an env whose constructor needs arguments, an example call that passes them,
+            e.g. "gym.make('my/Env-v0', data='rows.jsonl')"; shown when they are missing.
         **kwargs: default constructor arguments (overridable in `gym.make`).
     """
     if not _ID_RE.match(id):
@@ -75,15 +86,19 @@ def register(
         first = (inspect.getdoc(entry_point) or "").strip().splitlines()[0:1]
         summary = first[0] if first else ""
     # gym calls the entry point with the spec's kwargs, which always hold `target`.
-    creator = cast("EnvCreator", make_env)
+    creator = cast("EnvCreator", functools.partial(make_env, registered_id=id))
     gym.register(id=id, entry_point=creator, kwargs={"target": entry_point, **kwargs})
-    _ENVS[id] = EnvInfo(id=id, summary=summary or "", aliases=tuple(aliases))
+    _ENVS[id] = EnvInfo(id=id, summary=summary or "", aliases=tuple(aliases), usage=usage)
     for alias in aliases:
         _ALIASES[alias] = id
 
 
-def make_env(target: Callable[..., Any] | str, tokenizer: Any = None, **kwargs: Any) -> gym.Env:
-    """Build the env behind a registered id (gymnasium calls this from `gym.make`)."""
+def make_env(
+    target: Callable[..., Any] | str, tokenizer: Any = None, *, registered_id: str | None = None,
+    **kwargs: Any,
+) -> gym.Env:
+    """Build the env behind a registered id (gymnasium calls this from `gym.make`; `registered_id`
+    names it in errors)."""
     from agentrl.envs.base import TokenEnv
     from agentrl.envs.chat import ChatEnv, ChatTokenEnv
 
@@ -101,6 +116,7 @@ def make_env(target: Callable[..., Any] | str, tokenizer: Any = None, **kwargs: 
                 f"agentrl.rollout.collect({name}=...) (CLI: --rollout.{name} for train, "
                 f"--{name} for rollout and eval)"
             )
+    _check_required(factory, kwargs, registered_id)
     env = factory(**kwargs)
     if isinstance(env, ChatEnv):
         return ChatTokenEnv(env, tokenizer, **bridge_kwargs)
@@ -190,6 +206,28 @@ def _accepts(fn: Callable[..., Any], name: str, *, unknown: bool = False) -> boo
     except (TypeError, ValueError):
         return unknown
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _check_required(
+    factory: Callable[..., Any], kwargs: dict[str, Any], env_id: str | None
+) -> None:
+    """Raise a TypeError naming the constructor arguments `kwargs` lacks, with an example call,
+    before Python's bare "missing 2 required positional arguments" would."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    missing = [p.name for p in params
+               if p.kind in named and p.default is p.empty and p.name not in kwargs]
+    if not missing:
+        return
+    info = _ENVS.get(env_id or "")
+    shown = env_id or getattr(factory, "__name__", repr(factory))
+    example = (info.usage if info is not None and info.usage else
+               f"gym.make({shown!r}, {', '.join(f'{n}=...' for n in missing)})")
+    raise TypeError(f"{shown} needs {' and '.join(f'{n}=' for n in missing)}, which "
+                    f"{'was' if len(missing) == 1 else 'were'} not given; e.g. {example}")
 
 
 def _suggest_name(id: str) -> str:

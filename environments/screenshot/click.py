@@ -43,6 +43,8 @@ INSTRUCTIONS = (
 class ScreenClickEnv(ChatEnv):
     """Click the red square on each of several screenshots (image-only task)."""
 
+    shows_images = True
+
     def __init__(
         self, *, split: str = "train", grid: int = 4, cell: int = 28, targets: int = 3,
         distractors: int = 2,

@@ -40,6 +40,8 @@ INSTRUCTIONS = (
 class ScreenFormEnv(ChatEnv):
     """Fill in a drawn form (name, code) from the instructions on the screen, then submit."""
 
+    shows_images = True
+
     def __init__(self, *, split: str = "train", max_steps: int = 8) -> None:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")

@@ -126,8 +126,9 @@ def test_registered_and_seen_through_a_vision_model(env_id):
 
 
 def test_screenshots_need_a_vision_model():
+    """Refused when made, in one line naming the fix (not in Jinja at the first reset)."""
     from agentrl.models.vision import ImageError
 
-    env = gym.make("agentrl/ScreenClick-v0", tokenizer="tiny")
-    with pytest.raises(ImageError, match="text-only"):
-        env.reset(seed=0)
+    with pytest.raises(ImageError, match=r"^ScreenClickEnv shows images, but tokenizer 'tiny' "
+                       r"belongs to a text-only model; pass tokenizer='embedded-vlm'"):
+        gym.make("agentrl/ScreenClick-v0", tokenizer="tiny")
