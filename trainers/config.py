@@ -198,6 +198,12 @@ class RolloutConfig(EngineOptions, SamplingOptions):
     limit (math-tir: the last turn must answer) is told this budget. None: no limit."""
     max_concurrency: int = 64
     """Episodes in flight at once."""
+    env_timeout_s: float | None = 300.0
+    """Longest one env call (building the env, reset, step, close) may take. An episode whose
+    call runs past it is abandoned (its thread left to finish, its env never used again) and
+    discarded with the reason in its info, and the step goes on with the others. Sandboxed code
+    has its own, shorter deadline; this one catches env code that hangs around it. None: no
+    limit."""
     enable_sleep: bool = False
     """vllm on GPUs: offload the engine's weights and free its KV cache while the trainer updates
     (vLLM's CUDA sleep mode)."""
@@ -219,10 +225,11 @@ class RolloutConfig(EngineOptions, SamplingOptions):
             raise ValueError("--rollout.n_samples_per_prompt and prompts_per_step must be >= 1")
         EngineOptions.__post_init__(self)
         SamplingOptions.__post_init__(self)
-        from agentrl.rollout.budget import check_budget
+        from agentrl.rollout.budget import check_budget, check_deadline
 
         check_budget(self.max_turns, "--rollout.max_turns")
         check_budget(self.max_episode_tokens, "--rollout.max_episode_tokens")
+        check_deadline(self.env_timeout_s, "--rollout.env_timeout_s")
         if self.async_depth < 0:
             raise ValueError("--rollout.async_depth must be >= 0")
         if self.num_engines < 1:

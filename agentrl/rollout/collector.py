@@ -1,9 +1,10 @@
 """Run many episodes of a `TokenEnv` concurrently against an `Engine` and return Trajectories.
 
 Each episode is a coroutine: it awaits the engine for every turn (the engine batches all the
-episodes' requests together) and runs `reset`/`step` in a thread pool, because env steps may
-block (code execution, graders). Prompt i is reset with seed seeds[i]; its n samples share the
-group `group_name(group_prefix, i)` so GRPO/RLOO baselines can be computed per group.
+episodes' requests together) and runs its env calls (building the env, `reset`, `step`,
+`close`) on a thread of its own, because env steps may block (code execution, graders).
+Prompt i is reset with seed seeds[i]; its n samples share the group
+`group_name(group_prefix, i)` so GRPO/RLOO baselines can be computed per group.
 
 This loop is the one owner of the per-episode budgets (`EpisodeBudget`: turns and tokens) for
 every env, bridged chat envs included: an episode that runs out ends truncated with
@@ -17,6 +18,13 @@ far, is marked truncated and carries `info["error"]`; the other episodes are una
 that cannot be built (`env_fn` raises: a missing sandbox, a bad env argument) fails the
 collection with its own error, since every episode would fail the same way. Engine failures
 (other than a context overflow, which truncates the episode) propagate.
+
+A hung env cannot stall the collection: with `env_timeout_s`, an episode whose env call runs
+past it is abandoned there (`agentrl.rollout.env_calls`: what is and is not reclaimed), ends
+truncated and discarded with `info["error"]` (an `EnvTimeoutError`, naming the call) and
+`info["env_timeout"]` (the call: "env_fn", "reset", "step"), and its env is never called
+again; the other episodes go on. A `close` past the deadline keeps its finished episode and
+abandons only the thread.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import functools
+import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -35,11 +43,14 @@ import numpy as np
 from agentrl.engine.affinity import conversation
 from agentrl.engine.base import Engine, GenerationError, PromptTooLongError
 from agentrl.rollout.budget import EpisodeBudget
+from agentrl.rollout.env_calls import EnvThread, EnvTimeoutError
 from agentrl.seeding import derive_seed
 from agentrl.types import Image, SamplingParams, Trajectory, TrajectoryBuilder, group_name
 
 if TYPE_CHECKING:
     import gymnasium as gym
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +76,7 @@ async def collect(
     max_concurrency: int = 64,
     progress: bool = False,
     group_prefix: str = "",
+    env_timeout_s: float | None = None,
 ) -> list[Trajectory]:
     """Run `num_prompts * n_samples_per_prompt` episodes; results ordered by (prompt, sample).
 
@@ -83,25 +95,25 @@ async def collect(
         max_episode_tokens: budget on all tokens of an episode (prompt, actions, observations);
             when it runs out the episode ends truncated (an observation that leaves no room
             for an action is not appended).
-        max_concurrency: most episodes in flight (and env threads).
+        max_concurrency: most episodes in flight (each with its env thread).
         progress: show a progress bar (named by the group prefix, e.g. "eval").
         group_prefix: prefix of the group ids.
+        env_timeout_s: longest one env call may take (None: no limit); an episode whose
+            call runs past it is abandoned and discarded (module docstring).
     """
     episodes = _plan(num_prompts, n_samples_per_prompt, seeds, reset_options, group_prefix)
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
-    budget = EpisodeBudget(max_turns=max_turns, max_episode_tokens=max_episode_tokens)
+    budget = EpisodeBudget(max_turns=max_turns, max_episode_tokens=max_episode_tokens,
+                           env_timeout_s=env_timeout_s)
     bar = _progress_bar(len(episodes), group_prefix.rstrip("-") or "rollout") if progress else None
     sem = asyncio.Semaphore(max_concurrency)
-    pool = concurrent.futures.ThreadPoolExecutor(
-        max_workers=min(max_concurrency, 32), thread_name_prefix="agentrl-env"
-    )
     start, tokens = time.perf_counter(), 0
 
     async def run(ep: _Episode) -> Trajectory:
         nonlocal tokens
         async with sem:
-            traj = await _episode(engine, env_fn, ep, sampling, budget, pool)
+            traj = await _episode(engine, env_fn, ep, sampling, budget)
         if bar is not None:
             tokens += traj.num_policy_tokens
             bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - start, 1e-9):.0f}")
@@ -111,7 +123,6 @@ async def collect(
     try:
         return list(await asyncio.gather(*(run(ep) for ep in episodes)))
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
         if bar is not None:
             bar.close()
 
@@ -157,77 +168,136 @@ def _plan(
     ]
 
 
+@dataclasses.dataclass
+class _Outcome:
+    """How an episode ended, filled in as it runs (so a failure keeps what came before)."""
+
+    terminated: bool = False
+    truncated: bool = False
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
 async def _episode(
     engine: Engine,
     env_fn: Callable[[], gym.Env],
     ep: _Episode,
     sampling: SamplingParams,
     budget: EpisodeBudget,
-    pool: concurrent.futures.Executor,
 ) -> Trajectory:
-    loop = asyncio.get_running_loop()
-
-    def call(fn: Callable[..., Any], *args: Any, **kw: Any) -> asyncio.Future:
-        return loop.run_in_executor(pool, functools.partial(fn, *args, **kw))
-
+    thread = EnvThread(f"agentrl-env-{ep.group}-{ep.sample_index}")
+    timeout = budget.env_timeout_s
     builder = TrajectoryBuilder(group=ep.group)
-    info: dict[str, Any] = {}
-    terminated = truncated = False
-    env: gym.Env = await call(env_fn)  # cannot be built: not this episode's fault, raise
+    out = _Outcome()
     try:
-        obs, info = await call(env.reset, seed=ep.seed, options=ep.options)
-        info = dict(info)
-        context, images = _observe(builder, obs, [], [], engine)
-        turn = 0
-        while True:
-            over = budget.exhausted(turns=turn, tokens=len(context))
-            if over is not None:  # the prompt alone leaves no room
-                truncated, info["truncated_by"] = True, over
-                break
-            params = dataclasses.replace(
-                sampling, n=1, max_tokens=budget.sample_limit(len(context), sampling.max_tokens),
-                seed=_turn_seed(sampling.seed, ep, turn),
-            )
-            try:
-                with conversation(ep.group):  # a router keeps a group on one engine
-                    [c] = await engine.generate(context, params, images or None)
-            except PromptTooLongError:
-                truncated, info["truncated_by"] = True, "max_context"
-                break
-            step = builder.add_action(
-                c.token_ids,
-                c.logprobs,
-                policy_version=c.policy_version,
-                finish_reason=c.finish_reason,
-                version_changes=c.version_changes,
-            )
-            context.extend(c.token_ids)
-            turn += 1
-            if c.finish_reason == "abort":
-                truncated, info["truncated_by"] = True, "abort"
-                break
-            obs, reward, terminated, truncated, step_info = await call(
-                env.step, np.asarray(c.token_ids, dtype=np.int64)
-            )
-            step.reward = float(reward)
-            info = dict(step_info)
-            if terminated or truncated:
-                break
-            over = budget.exhausted(turns=turn, tokens=len(context) + len(obs["tokens"]))
-            if over is not None:
-                # No turn left, or no room to act after this observation: end without it.
-                truncated, info["truncated_by"] = True, over
-                break
-            context, images = _observe(builder, obs, context, images, engine)
+        env: gym.Env = await thread.call("env_fn", env_fn, timeout=timeout)
+    except EnvTimeoutError as e:
+        _abandon(thread, None, ep, e, out)
+        return _finish(builder, ep, out)
+    except BaseException:  # cannot be built: not this episode's fault, raise
+        thread.stop()
+        raise
+    hung = False
+    try:
+        await _play(engine, env, thread, ep, sampling, budget, builder, out)
+    except EnvTimeoutError as e:
+        hung = True
+        _abandon(thread, env.close, ep, e, out)
     except Exception as e:  # an env failure ends this episode only, and it is not trained on
         if isinstance(e, GenerationError):
             raise
-        truncated, info["error"], info["discard"] = True, repr(e), True
+        out.truncated, out.info["error"], out.info["discard"] = True, repr(e), True
     finally:
-        await call(env.close)
-    info.update(prompt_index=ep.prompt_index, sample_index=ep.sample_index, seed=ep.seed)
-    return builder.build(terminated=bool(terminated), truncated=bool(truncated), info=info,
-                         discard=bool(info.get("discard", False)))
+        if not hung:
+            await _close(thread, env, ep, timeout)
+    return _finish(builder, ep, out)
+
+
+async def _play(
+    engine: Engine, env: gym.Env, thread: EnvThread, ep: _Episode, sampling: SamplingParams,
+    budget: EpisodeBudget, builder: TrajectoryBuilder, out: _Outcome,
+) -> None:
+    """Reset and play the episode's turns, recording into `builder` and `out`."""
+    timeout = budget.env_timeout_s
+    obs, info = await thread.call("reset", env.reset, seed=ep.seed, options=ep.options,
+                                  timeout=timeout)
+    out.info = dict(info)
+    context, images = _observe(builder, obs, [], [], engine)
+    turn = 0
+    while True:
+        over = budget.exhausted(turns=turn, tokens=len(context))
+        if over is not None:  # the prompt alone leaves no room
+            out.truncated, out.info["truncated_by"] = True, over
+            return
+        params = dataclasses.replace(
+            sampling, n=1, max_tokens=budget.sample_limit(len(context), sampling.max_tokens),
+            seed=_turn_seed(sampling.seed, ep, turn),
+        )
+        try:
+            with conversation(ep.group):  # a router keeps a group on one engine
+                [c] = await engine.generate(context, params, images or None)
+        except PromptTooLongError:
+            out.truncated, out.info["truncated_by"] = True, "max_context"
+            return
+        step = builder.add_action(
+            c.token_ids,
+            c.logprobs,
+            policy_version=c.policy_version,
+            finish_reason=c.finish_reason,
+            version_changes=c.version_changes,
+        )
+        context.extend(c.token_ids)
+        turn += 1
+        if c.finish_reason == "abort":
+            out.truncated, out.info["truncated_by"] = True, "abort"
+            return
+        obs, reward, terminated, truncated, step_info = await thread.call(
+            "step", env.step, np.asarray(c.token_ids, dtype=np.int64), timeout=timeout
+        )
+        step.reward = float(reward)
+        out.terminated, out.truncated, out.info = bool(terminated), bool(truncated), dict(step_info)
+        if terminated or truncated:
+            return
+        over = budget.exhausted(turns=turn, tokens=len(context) + len(obs["tokens"]))
+        if over is not None:
+            # No turn left, or no room to act after this observation: end without it.
+            out.truncated, out.info["truncated_by"] = True, over
+            return
+        context, images = _observe(builder, obs, context, images, engine)
+
+
+def _abandon(thread: EnvThread, cleanup: Callable[[], Any] | None, ep: _Episode,
+             error: EnvTimeoutError, out: _Outcome) -> None:
+    """End an episode whose env call hung: discard it with the reason and give its thread up
+    (it closes the env if the call ever returns)."""
+    out.truncated = True
+    out.info.update(error=repr(error), discard=True, env_timeout=error.call)
+    still = thread.abandon(cleanup)
+    logger.warning("episode %s (prompt %d, sample %d) discarded: %s; %d abandoned env thread%s "
+                   "still running", ep.group, ep.prompt_index, ep.sample_index, error, still,
+                   "" if still == 1 else "s")
+
+
+async def _close(thread: EnvThread, env: gym.Env, ep: _Episode, timeout: float | None) -> None:
+    """Close a finished episode's env; one whose close hangs keeps its episode and gives its
+    thread up."""
+    try:
+        await thread.call("close", env.close, timeout=timeout)
+    except EnvTimeoutError as e:
+        still = thread.abandon()
+        logger.warning("episode %s (prompt %d, sample %d): %s; %d abandoned env thread%s still "
+                       "running", ep.group, ep.prompt_index, ep.sample_index, e, still,
+                       "" if still == 1 else "s")
+        return
+    except BaseException:
+        thread.stop()
+        raise
+    thread.stop()
+
+
+def _finish(builder: TrajectoryBuilder, ep: _Episode, out: _Outcome) -> Trajectory:
+    out.info.update(prompt_index=ep.prompt_index, sample_index=ep.sample_index, seed=ep.seed)
+    return builder.build(terminated=out.terminated, truncated=out.truncated, info=out.info,
+                         discard=bool(out.info.get("discard", False)))
 
 
 def _observe(
