@@ -109,6 +109,7 @@ def collect_for_step(
         max_episode_tokens=cfg.rollout.max_episode_tokens,
         max_concurrency=cfg.rollout.max_concurrency,
         group_prefix=group_prefix(step),
+        env_timeout_s=cfg.rollout.env_timeout_s,
     )
 
 
@@ -196,6 +197,7 @@ def evaluate_engine(engine: Any, cfg: TrainConfig, tokenizer: Any) -> dict[str, 
         max_turns=cfg.rollout.max_turns,
         max_episode_tokens=cfg.rollout.max_episode_tokens,
         progress=cfg.progress,
+        env_timeout_s=cfg.rollout.env_timeout_s,
     )
     return {
         "pass@1": result.pass_at_1,

@@ -183,13 +183,15 @@ def evaluate(
     max_concurrency: int = 64,
     progress: bool = False,
     group_prefix: str = "eval-",
+    env_timeout_s: float | None = None,
 ) -> EvalResult:
     """Run problems 0..num_problems-1 of the env's split, n_samples each (default k).
 
     `env_fn` should build the eval split, e.g.
     `lambda: gym.make("agentrl/MathTIR-v0", tokenizer=tok, split="eval")`. With greedy
-    sampling every sample is the same, so one is drawn and pass@k = pass@1. `max_turns` and
-    `max_episode_tokens` are the episode budgets `collect` enforces.
+    sampling every sample is the same, so one is drawn and pass@k = pass@1. `max_turns`,
+    `max_episode_tokens` and `env_timeout_s` (an env call's deadline) are what `collect`
+    enforces; an episode past a budget or a deadline counts as failed.
     """
     from agentrl.rollout import collect_sync
 
@@ -213,6 +215,7 @@ def evaluate(
         max_turns=max_turns,
         max_episode_tokens=max_episode_tokens,
         max_concurrency=max_concurrency,
+        env_timeout_s=env_timeout_s,
         progress=progress,
         group_prefix=group_prefix,
     )

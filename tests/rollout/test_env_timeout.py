@@ -126,8 +126,6 @@ class HangOnceDigits(DigitsEnv):
         return super().step(text)
 
 
-@pytest.mark.xfail(strict=True, reason="needs trainers/sampling.py collect_for_step to pass "
-                   "env_timeout_s=cfg.rollout.env_timeout_s to collect_sync (#34 item 13)")
 def test_a_training_step_goes_on_without_the_hung_episode(tmp_path):
     import agentrl
     from trainers.controller import Trainer
