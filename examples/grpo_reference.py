@@ -31,6 +31,7 @@ from agentrl.command_line import parse_flags
 from agentrl.engine import Engine, create_engine
 from agentrl.models import load_model, load_tokenizer
 from agentrl.rollout import collect_sync
+from agentrl.seeding import derive_seed
 from agentrl.types import SamplingParams, Trajectory, dense_group_ids
 
 
@@ -68,8 +69,9 @@ def sample(engine: Engine, tokenizer: object, args: Args, step: int) -> list[Tra
         num_prompts=args.prompts_per_step,
         n_samples_per_prompt=args.n_samples_per_prompt,
         sampling=SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens,
-                                seed=args.seed * 100_003 + step),
-        seeds=[step * args.prompts_per_step + i for i in range(args.prompts_per_step)],
+                                seed=derive_seed(args.seed, step)),
+        seeds=[derive_seed(args.seed, "prompt", step * args.prompts_per_step + i)
+               for i in range(args.prompts_per_step)],
         group_prefix=f"s{step}-",
     )
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.backends import NonFiniteLossError
+from agentrl.seeding import derive_seed
 from agentrl.types import iter_jsonl, save_jsonl
 from trainers.checkpoint import (
     best_checkpoint,
@@ -271,7 +272,7 @@ class Trainer:
     def _seeds(self, rounds: int) -> list[list[int]]:
         """The prompt seeds of the next `rounds` rounds, one list a round (not yet used)."""
         n = self.cfg.rollout.prompts_per_step
-        return [[self.cfg.seed * 1_000_003 + self.data_pos + r * n + i for i in range(n)]
+        return [[derive_seed(self.cfg.seed, "prompt", self.data_pos + r * n + i) for i in range(n)]
                 for r in range(rounds)]
 
     def _use_seeds(self) -> list[int]:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from agentrl.command_line import deferred_validation
+from agentrl.seeding import derive_seed
 from trainers.offline_config import OfflineConfig
 
 T = TypeVar("T")
@@ -94,7 +95,7 @@ class OfflineTrainer:
     # ---------------------------------------------------------------- data
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.train)))
-        random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
+        random.Random(derive_seed(self.cfg.seed, "epoch", epoch)).shuffle(order)
         return order
 
     def next_items(self) -> list[Any]:

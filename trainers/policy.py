@@ -35,6 +35,7 @@ from agentrl.backends import (
 from agentrl.backends.device import autocast
 from agentrl.backends.distributed import all_sum
 from agentrl.models.lora import adapters_off, is_lora, load_policy, merged_weights
+from agentrl.seeding import derive_seed
 from agentrl.types import Trajectory
 from trainers import rl_step
 from trainers.batch import RolloutBatch, add_images, collate, group_sorted, length_sorted
@@ -208,7 +209,7 @@ class PolicyWorker:
 
     def _epochs(self, batch: RolloutBatch) -> dict[str, float]:
         cfg = self.cfg
-        rng = random.Random(cfg.seed * 7919 + self.version)
+        rng = random.Random(derive_seed(cfg.seed, "minibatches", self.version))
         sums: dict[str, float] = {}
         count = 0
         for _ in range(cfg.epochs_per_step):
