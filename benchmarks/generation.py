@@ -52,7 +52,7 @@ def useful(tokens: list[int], eos: set[int]) -> int:
 
 def run_engine(model, tok, prompts, args) -> dict:
     from agentrl.backends import engine_options
-    from agentrl.engine.hf import TransformersEngine
+    from agentrl.engine.transformers_engine import TransformersEngine
     from agentrl.types import SamplingParams
 
     engine = TransformersEngine(

@@ -25,7 +25,7 @@ def child(args) -> None:
 
     import agentrl  # noqa: F401 - registers env ids
     from agentrl.backends import engine_options
-    from agentrl.engine.hf import TransformersEngine
+    from agentrl.engine.transformers_engine import TransformersEngine
     from agentrl.models import load_model, load_tokenizer
     from agentrl.rollout import collect_sync
     from agentrl.types import SamplingParams

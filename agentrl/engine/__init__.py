@@ -65,7 +65,7 @@ def create_engine(
                 f"not a {type(model).__name__}"
             )
         return VLLMEngine(model, **kwargs)
-    from agentrl.engine.hf import TransformersEngine
+    from agentrl.engine.transformers_engine import TransformersEngine
     from agentrl.models import load_model, load_tokenizer
 
     if isinstance(model, str):

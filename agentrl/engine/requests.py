@@ -50,6 +50,16 @@ def check_request(
     return prompt
 
 
+def empty_completion(params: SamplingParams, version: int) -> Completion:
+    """What a request with `max_tokens=0` gets: no tokens, finish reason "length"."""
+    return Completion(
+        token_ids=[],
+        logprobs=[] if params.logprobs else None,
+        finish_reason="length",
+        policy_version=version,
+    )
+
+
 def stop_string_hit(text: str, stops: Sequence[str]) -> str | None:
     """The first stop string (in `stops` order) that occurs in `text`."""
     return next((s for s in stops if s and s in text), None)

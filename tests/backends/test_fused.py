@@ -197,7 +197,7 @@ async def test_the_lean_decode_step_reads_the_stand_ins(tiny_tokenizer, prompts,
     tokens and logprobs, bit for bit."""
     from agentrl.backends import OptimizerSpec, create_backend
     from agentrl.backends.cpu.decode import decode_logits
-    from agentrl.engine.hf import TransformersEngine
+    from agentrl.engine.transformers_engine import TransformersEngine
     from agentrl.types import SamplingParams
     from tests.engine._models import generate_together, sharp_tiny_model
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from agentrl.backends.cpu import kernels
 from agentrl.backends.cpu.decode import decode_logits
-from agentrl.engine.hf import TransformersEngine
 from agentrl.engine.kv import BatchCache
+from agentrl.engine.transformers_engine import TransformersEngine
 from agentrl.types import SamplingParams
 from tests.engine._models import generate_together, llama_variant, prefill_cache
 

@@ -14,7 +14,7 @@ def model(tiny_tokenizer):
 
 @pytest.fixture
 def engine(model, tiny_tokenizer):
-    from agentrl.engine.hf import TransformersEngine
+    from agentrl.engine.transformers_engine import TransformersEngine
 
     eng = TransformersEngine(model, tiny_tokenizer, max_batch_size=8)
     yield eng

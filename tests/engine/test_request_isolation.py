@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from agentrl.engine.base import GenerationError
-from agentrl.engine.hf import TransformersEngine
+from agentrl.engine.transformers_engine import TransformersEngine
 from agentrl.types import SamplingParams
 
 GOOD = SamplingParams(temperature=1.0, max_tokens=48, seed=3)
@@ -27,7 +27,7 @@ def _break(engine: TransformersEngine, how: str, bad_prompt: list[int],
         object.__setattr__(params, "top_k", 2**63)
         return params
     if how == "prefill":
-        forward = engine._forward
+        forward = engine.runner.forward
 
         def failing_forward(**inputs: object) -> object:
             ids = inputs["input_ids"]
@@ -35,16 +35,16 @@ def _break(engine: TransformersEngine, how: str, bad_prompt: list[int],
                 raise RuntimeError("this prompt cannot be encoded")
             return forward(**inputs)
 
-        monkeypatch.setattr(engine, "_forward", failing_forward)
+        monkeypatch.setattr(engine.runner, "forward", failing_forward)
     elif how == "decode":
-        check = engine._check_finished
+        check = engine.sampler.check_finished
 
         def failing_check(s, tok):  # type: ignore[no-untyped-def]
             if s.request.prompt == bad_prompt and len(s.tokens) == 3:
                 raise RuntimeError("this sample cannot go on")
             check(s, tok)
 
-        monkeypatch.setattr(engine, "_check_finished", failing_check)
+        monkeypatch.setattr(engine.sampler, "check_finished", failing_check)
     return GOOD
 
 

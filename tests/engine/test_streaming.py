@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from agentrl.engine.hf import TransformersEngine
+from agentrl.engine.transformers_engine import TransformersEngine
 from agentrl.types import Completion, CompletionDelta, SamplingParams
 
 
@@ -91,7 +91,7 @@ async def test_first_delta_arrives_while_the_request_runs(engine, slow_model, pr
     params = SamplingParams(temperature=1.0, max_tokens=24, seed=0)
     stream = engine.generate_stream(prompts[2], params, request_id="live")
     first = await anext(stream)
-    registered_at_first = "live" in engine._by_id
+    registered_at_first = "live" in engine.scheduler.by_id
     second = await anext(stream)  # from a decode step: the sample holds a batch slot by now
     running_at_second = engine.num_running
     rest = await collect(stream)
@@ -109,7 +109,7 @@ async def test_aclose_mid_stream_aborts_and_frees_the_slot(engine, slow_model, p
     assert engine.num_running == 2
     await stream.aclose()
     await wait_idle(engine)
-    assert engine.num_running == 0 and engine.num_waiting == 0 and not engine._by_id
+    assert engine.num_running == 0 and engine.num_waiting == 0 and not engine.scheduler.by_id
     [c] = await engine.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4))
     assert c.token_ids and c.finish_reason in ("stop", "length")
 
@@ -128,7 +128,7 @@ async def test_cancelling_the_consumer_aborts(engine, slow_model, prompts):
     with pytest.raises(asyncio.CancelledError):
         await task
     await wait_idle(engine)
-    assert engine.num_running == 0 and not engine._by_id
+    assert engine.num_running == 0 and not engine.scheduler.by_id
 
 
 async def test_max_tokens_gives_length_on_last_delta(engine, prompts):
@@ -154,5 +154,6 @@ async def test_abort_by_id_ends_the_stream_with_abort(engine, slow_model, prompt
 
 async def wait_idle(engine: TransformersEngine, timeout_s: float = 5.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
-    while (engine.num_running or engine._by_id) and asyncio.get_running_loop().time() < deadline:
+    loop = asyncio.get_running_loop()
+    while (engine.num_running or engine.scheduler.by_id) and loop.time() < deadline:
         await asyncio.sleep(0.005)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from agentrl.engine.hf import TransformersEngine
+from agentrl.engine.transformers_engine import TransformersEngine
 from agentrl.models import load_model, load_tokenizer
 from agentrl.models.tiny import TINY_QWEN2_VL, TINY_VLMS
 from agentrl.models.vision import ImageError, vision_processor

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from agentrl.engine import create_engine
-from agentrl.engine.sampling import processed_logprobs
+from agentrl.engine.token_sampling import processed_logprobs
 from agentrl.models.tiny import tiny_model
 from agentrl.rollout import collect_sync
 from agentrl.types import CompletionDelta, SamplingParams

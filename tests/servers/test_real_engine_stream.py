@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentrl.engine.hf import TransformersEngine
+from agentrl.engine.transformers_engine import TransformersEngine
 from servers.deps import StreamingEngine
 from tests.engine._models import sharp_tiny_model
 

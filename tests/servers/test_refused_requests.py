@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from agentrl.engine.hf import TransformersEngine
+from agentrl.engine.transformers_engine import TransformersEngine
 from tests.engine._models import sharp_tiny_model
 
 MSGS = [{"role": "user", "content": "What is 6 * 7?"}]

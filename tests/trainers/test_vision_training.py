@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from agentrl import ChatEnv, ChatTokenEnv
-from agentrl.engine.hf import TransformersEngine
+from agentrl.engine.transformers_engine import TransformersEngine
 from agentrl.models.tiny import TINY_VLMS
 from agentrl.rollout import collect_sync
 from agentrl.types import SamplingParams, Trajectory

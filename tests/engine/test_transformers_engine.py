@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 import torch
 
-from agentrl.engine import PromptTooLongError, create_engine, hf
-from agentrl.engine.hf import TransformersEngine
+from agentrl.engine import PromptTooLongError, create_engine, model_runner
 from agentrl.engine.requests import cut_at_stop
-from agentrl.engine.sampling import filter_top_k_top_p
+from agentrl.engine.token_sampling import filter_top_k_top_p
+from agentrl.engine.transformers_engine import TransformersEngine
 from agentrl.types import SamplingParams
 
 from ._models import sharp_tiny_model
@@ -340,7 +340,7 @@ async def test_a_start_shared_by_prompts_is_encoded_once(
     # Chat prompts of one step share a system prompt: with a prefix cache it is encoded once,
     # then each prompt's prefill resumes from it. Outputs match prompts encoded one at a time.
     header = (prompts[4] + prompts[2] + prompts[5]) * 4
-    assert 2 * len(header) >= hf._MIN_SHARED_TOKENS_SAVED  # 3 prompts: 2 encodings saved
+    assert 2 * len(header) >= model_runner._MIN_SHARED_TOKENS_SAVED  # 3 prompts: 2 encodings saved
     batch = [header + p for p in prompts[:3]]
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=True)
     with TransformersEngine(model, tiny_tokenizer, prefix_cache_bytes=0) as alone:
@@ -365,7 +365,7 @@ async def test_a_start_shared_by_prompts_is_encoded_once(
 async def test_a_short_shared_start_is_encoded_with_the_prompts(model, tiny_tokenizer, prompts):
     # Two prompts sharing a few tokens: the extra forward pass would cost more than it saves.
     batch = [prompts[4] + p for p in prompts[:2]]
-    assert len(prompts[4]) < hf._MIN_SHARED_TOKENS_SAVED
+    assert len(prompts[4]) < model_runner._MIN_SHARED_TOKENS_SAVED
     with TransformersEngine(model, tiny_tokenizer, admission_window=0.1) as engine:
         await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=2)) for p in batch))
         assert engine.counters["shared_prefix_prefills"] == 0
