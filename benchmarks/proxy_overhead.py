@@ -33,10 +33,10 @@ def _serve(port: int, engine_kind: str, latency: float, token_latency: float,
            tokenizer: str = "tiny") -> None:
     import uvicorn
 
+    from agentrl.engine.fakes import StreamingFakeEngine
     from agentrl.models import load_tokenizer
     from servers.app import create_app
     from servers.config import ProxyConfig
-    from servers.testing import StreamingFakeEngine
 
     if engine_kind == "real":
         from agentrl.engine import create_engine  # type: ignore[attr-defined]
@@ -105,9 +105,9 @@ def _pct(xs: list[float], q: float) -> float:
 
 async def _direct(latency: float, n: int, sessions: int) -> list[float]:
     """The engine called directly, same concurrency: the baseline the proxy is compared to."""
+    from agentrl.engine.fakes import StreamingFakeEngine
     from agentrl.models import load_tokenizer
     from agentrl.types import SamplingParams
-    from servers.testing import StreamingFakeEngine
 
     tok = load_tokenizer("tiny")
     engine = StreamingFakeEngine(tok, latency_s=latency)

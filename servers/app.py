@@ -9,10 +9,11 @@ from __future__ import annotations
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from agentrl.engine.base import Engine
 from agentrl.models.vision import VisionProcessor
 from servers import chat, completions, responses, session_routes
 from servers.config import ProxyConfig, ProxyState
-from servers.deps import GenerateEngine, Tokenizer
+from servers.deps import Tokenizer
 from servers.errors import APIError, install_error_handlers
 from servers.generation import check_model, off_loop, parse_body, parse_request
 from servers.images import load_images
@@ -25,7 +26,7 @@ misc = APIRouter()
 
 
 def create_app(
-    engine: GenerateEngine,
+    engine: Engine,
     tokenizer: Tokenizer,
     store: SessionStore | None = None,
     *,
@@ -34,9 +35,9 @@ def create_app(
 ) -> FastAPI:
     """Build the proxy app.
 
-    engine: anything with `max_context` and `async generate(prompt_ids, params, images)`;
-        engines that also have `generate_stream` (see `servers.deps.StreamingEngine`) stream
-        tokens as sampled. tokenizer: a Hugging Face tokenizer with a chat template.
+    engine: an `agentrl.engine.Engine` (the proxy uses `max_context`, `generate` and
+        `generate_stream`; an engine object without `generate_stream` is streamed in chunks
+        of its whole completions). tokenizer: a Hugging Face tokenizer with a chat template.
     store: where sessions live (in memory by default). processor: a vision-language model's
     (default: found from the tokenizer's model).
     """

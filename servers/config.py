@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from agentrl.engine.base import Engine
 from agentrl.models.vision import VisionProcessor, vision_processor
-from servers.deps import GenerateEngine, Tokenizer
+from servers.deps import Tokenizer
 from servers.render import ChatRenderer
 from servers.sessions import ResponseHistory, SessionStore
 from servers.tools import ToolParserFactory, get_tool_parser
@@ -65,7 +66,7 @@ class ProxyConfig:
 
 @dataclass
 class ProxyState:
-    engine: GenerateEngine
+    engine: Engine
     tokenizer: Tokenizer
     store: SessionStore
     config: ProxyConfig
@@ -79,7 +80,7 @@ class ProxyState:
     @classmethod
     def build(
         cls,
-        engine: GenerateEngine,
+        engine: Engine,
         tokenizer: Tokenizer,
         store: SessionStore,
         config: ProxyConfig,

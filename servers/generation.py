@@ -16,9 +16,8 @@ from pydantic import BaseModel, ValidationError
 
 from agentrl.engine.affinity import affinity_key
 from agentrl.engine.base import PromptTooLongError
-from agentrl.types import Completion, FinishReason, Image, SamplingParams
+from agentrl.types import Completion, CompletionDelta, FinishReason, Image, SamplingParams
 from servers.config import ProxyState
-from servers.deps import StreamingEngine, TokenDelta
 from servers.errors import APIError, error_body, validation_message
 from servers.sessions import CallRecord, Session, StoreError, check_session_id
 from servers.streaming import SSE_DONE, sse
@@ -271,11 +270,12 @@ async def engine_generate(
 
 async def engine_stream(
     state: ProxyState, prompt_ids: list[int], params: SamplingParams, images: list[Image]
-) -> AsyncIterator[TokenDelta]:
-    """Token deltas from the engine: native streaming if it has it, else generate-then-chunk."""
+) -> AsyncIterator[CompletionDelta]:
+    """Token deltas from the engine: native streaming, or generate-then-chunk for an engine
+    object that implements only `generate` (a remote engine's stub, a test's fake)."""
     pixels = [im.pixels for im in images] or None
     engine = state.engine
-    if isinstance(engine, StreamingEngine):
+    if hasattr(engine, "generate_stream"):
         try:
             async for d in engine.generate_stream(prompt_ids, params, pixels):
                 yield d
@@ -301,9 +301,9 @@ class Accumulator:
     policy_version: int = 0
     version_changes: list[tuple[int, int]] = field(default_factory=list)
 
-    def add(self, d: TokenDelta) -> None:
+    def add(self, d: CompletionDelta) -> None:
         at = len(self.token_ids)
-        for i, v in [(0, d.policy_version), *getattr(d, "version_changes", ())]:
+        for i, v in [(0, d.policy_version), *d.version_changes]:
             if i >= len(d.token_ids):
                 continue  # no token of this delta was sampled by it (an empty last delta)
             current = self.version_changes[-1][1] if self.version_changes else self.policy_version

@@ -1,11 +1,16 @@
-"""The Engine protocol: what every sampler backend offers to rollouts, the proxy and eval."""
+"""The Engine protocol: what every sampler backend offers to rollouts, the proxy and eval.
+
+One protocol for every engine (the transformers and vLLM backends, the router over many, the
+fakes in `agentrl.engine.fakes`), streaming included; its one delta type is
+`agentrl.types.CompletionDelta`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from agentrl.types import Completion, SamplingParams
+from agentrl.types import Completion, CompletionDelta, SamplingParams
 
 if TYPE_CHECKING:
     import numpy as np
@@ -37,6 +42,8 @@ class Engine(Protocol):
 
     `generate` is async so that many episodes can await it concurrently while the backend
     batches their requests. Cancelling the awaiting task aborts the request and frees its slot.
+    `generate_stream` hands out the same completions token by token as they are sampled (the
+    proxy's streaming responses).
     """
 
     @property
@@ -56,6 +63,20 @@ class Engine(Protocol):
         images: Sequence[np.ndarray] | None = None,
     ) -> list[Completion]:
         """Sample `params.n` completions of `prompt_ids`."""
+        ...
+
+    def generate_stream(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        images: Sequence[np.ndarray] | None = None,
+    ) -> AsyncIterator[CompletionDelta]:
+        """Yield deltas of all `params.n` choices as they are sampled (interleaved by index).
+
+        A choice's deltas concatenate to the `Completion` that `generate` would return; its
+        last delta carries the finish reason. Closing the iterator (or cancelling the task
+        iterating it) aborts the request.
+        """
         ...
 
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:

@@ -11,12 +11,12 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from agentrl.engine.fakes import FakeEngine, StreamingFakeEngine
 from agentrl.models import load_tokenizer
 from servers.app import create_app
 from servers.config import ProxyConfig
 from servers.serving import serve_in_thread
 from servers.sessions import InMemorySessionStore, SessionStore
-from servers.testing import FakeEngine, StreamingFakeEngine
 
 
 @pytest.fixture(scope="session")

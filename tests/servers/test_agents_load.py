@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
+from agentrl.engine.fakes import FakeEngine, StreamingFakeEngine
 from servers.agents import run_agents
 from servers.app import create_app
-from servers.testing import FakeEngine, StreamingFakeEngine
 
 
 async def _async_agent(task: str, base_url: str, api_key: str) -> str:

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from servers.testing import FakeEngine, StreamingFakeEngine
+from agentrl.engine.fakes import FakeEngine, StreamingFakeEngine
 
 OK = {"model": "agentrl", "messages": [{"role": "user", "content": "hi"}]}
 CASES = [

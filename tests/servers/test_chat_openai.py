@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from servers.testing import FakeEngine, StreamingFakeEngine
+from agentrl.engine.fakes import FakeEngine, StreamingFakeEngine
 from tests.servers.conftest import validate_chunk, validate_completion
 
 MSGS = [

@@ -17,13 +17,13 @@ import time
 import httpx
 import pytest
 
+from agentrl.engine.fakes import FakeEngine
 from agentrl.types import Trajectory
 from servers.app import create_app
 from servers.cli import vocabulary_id
 from servers.durable import SqliteSessionStore
 from servers.serving import serve_in_thread
 from servers.sessions import StoreError
-from servers.testing import FakeEngine
 from tests.servers.test_tool_calls import CALL_TEXT, TOOLS, _episode, _tool_reply
 
 

@@ -10,7 +10,7 @@ from agentrl.engine.router import EngineRouter
 
 @pytest.mark.slow
 def test_the_proxy_keeps_a_session_on_one_engine(make_proxy, tok):
-    from servers.testing import FakeEngine
+    from agentrl.engine.fakes import FakeEngine
 
     engines = [FakeEngine(tok), FakeEngine(tok)]
     router = EngineRouter(engines)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from agentrl.engine.base import Engine
 from agentrl.engine.transformers_engine import TransformersEngine
-from servers.deps import StreamingEngine
 from tests.engine._models import sharp_tiny_model
 
 MSGS = [{"role": "user", "content": "What is 6 * 7?"}]
@@ -21,7 +21,7 @@ def real_proxy(make_proxy, tok):
 
 
 def test_streamed_greedy_equals_non_streamed(real_proxy):
-    assert isinstance(real_proxy.engine, StreamingEngine)
+    assert isinstance(real_proxy.engine, Engine)
     kw = {"model": "agentrl", "messages": MSGS, "temperature": 0, "max_tokens": 16}
     full = real_proxy.client("plain").chat.completions.create(**kw)
     chunks = list(real_proxy.client("streamed").chat.completions.create(stream=True, **kw))

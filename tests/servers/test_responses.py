@@ -11,7 +11,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from servers.testing import FakeEngine
+from agentrl.engine.fakes import FakeEngine
 from tests.servers.test_tool_calls import CALL_TEXT, _tool_reply
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city",

@@ -170,9 +170,9 @@ def test_agent_sessions_scored_by_the_service(service, tok):
     one the service cannot score keeps its trajectory, discarded and saying why."""
     import asyncio
 
+    from agentrl.engine.fakes import FakeEngine
     from servers.agents import remote_agent_reward, run_agents
     from servers.app import create_app
-    from servers.testing import FakeEngine
 
     async def agent(task, base_url, api_key):
         import openai

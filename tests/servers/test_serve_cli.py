@@ -86,11 +86,11 @@ def test_several_vllm_engines_on_gpus_each_start_on_their_own(capsys, monkeypatc
     import torch
 
     import agentrl.engine
-    import servers.cli
     import agentrl.engine.router
-    from agentrl.models import load_tokenizer
-    from servers.testing import FakeEngine
+    import servers.cli
+    from agentrl.engine.fakes import FakeEngine
     from agentrl.engine.router import EngineRouter
+    from agentrl.models import load_tokenizer
 
     opened: list[dict] = []
     served: list = []

@@ -8,8 +8,8 @@ import httpx
 import openai
 import pytest
 
+from agentrl.engine.fakes import FakeEngine
 from agentrl.types import Trajectory
-from servers.testing import FakeEngine
 
 
 def _chat(client: openai.OpenAI, msgs: list[dict]) -> str:

@@ -7,7 +7,7 @@ import dataclasses
 
 
 def test_rollout_budgets_end_training_and_eval_episodes(make_cfg, tiny_tokenizer):
-    from servers.testing import FakeEngine
+    from agentrl.engine.fakes import FakeEngine
     from trainers.sampling import collect_for_step, evaluate_engine
 
     engine = FakeEngine(tiny_tokenizer, reply="123")

@@ -93,7 +93,7 @@ def test_dynamic_filtering_uses_the_same_numbering():
 def test_agent_sessions_are_grouped_like_env_episodes(make_cfg, tmp_path, tiny_tokenizer):
     """The trainer launches n proxy sessions per task as one group, named by the same rule as
     env rollouts; the trainer's group ids follow."""
-    from servers.testing import FakeEngine
+    from agentrl.engine.fakes import FakeEngine
     from trainers.batch import collate
     from trainers.sampling import collect_agent_episodes, group_prefix
 

@@ -1,26 +1,34 @@
 """Deterministic fake engines for tests and the overhead benchmark (no model, no torch).
 
-`FakeEngine` answers with scripted text after a fixed latency; `StreamingFakeEngine` also
-streams it token by token with a fixed per-token latency. Both follow the Engine contract the
-proxy relies on: `n` choices, `max_tokens` -> finish `length`, stop strings cut the text,
-logprobs aligned with the ids, cancellation aborts (and is counted in `aborted`).
+`FakeEngine` answers with scripted text after a fixed latency; it does not stream, so callers
+that can take such an engine (the proxy, the router) show their generate-then-chunk path with
+it. `StreamingFakeEngine` also streams it token by token with a fixed per-token latency. Both
+follow the `Engine` contract: `n` choices, `max_tokens` -> finish `length`, stop strings cut the
+text, logprobs aligned with the ids, cancellation aborts (and is counted in `aborted`).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
-from typing import TypedDict, Unpack
+from typing import Protocol, TypedDict, Unpack
 
 import numpy as np
 
-from agentrl.engine.base import PromptTooLongError
-from agentrl.types import Completion, FinishReason, SamplingParams
-from servers.deps import Tokenizer
+from agentrl.engine.base import NamedTensors, PromptTooLongError
+from agentrl.types import Completion, CompletionDelta, FinishReason, SamplingParams
 
 Reply = Callable[[str, int], str]
 """(decoded prompt, choice index) -> the text the fake model 'samples'."""
+
+
+class TextTokenizer(Protocol):
+    """The slice of a Hugging Face tokenizer the fakes use."""
+
+    eos_token_id: int | None
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
 
 
 class FakeEngineOptions(TypedDict, total=False):
@@ -38,20 +46,14 @@ def default_reply(prompt: str, choice: int) -> str:
     return f"Hello! The answer is 42.{suffix}"
 
 
-@dataclass
-class FakeDelta:
-    index: int
-    token_ids: list[int]
-    logprobs: list[float] | None
-    top_logprobs: list[list[tuple[int, float]]] | None
-    finish_reason: str | None
-    policy_version: int = 0
-
-
 class FakeEngine:
+    """Answers every prompt with `reply(decoded prompt, choice)`, tokenized by `token_ids_for`
+    (default: the tokenizer), ending with EOS unless a stop string cut it. It records each
+    request in `requests`; `fail_with` makes `generate` raise it."""
+
     def __init__(
         self,
-        tokenizer: Tokenizer,
+        tokenizer: TextTokenizer,
         *,
         reply: Reply | str = default_reply,
         latency_s: float = 0.0,
@@ -72,7 +74,7 @@ class FakeEngine:
         self.aborted = 0
         self.active = 0
         self.fail_with: Exception | None = None
-        self.closed = False
+        self.closed = self.sleeping = False
 
     @property
     def max_context(self) -> int:
@@ -131,16 +133,27 @@ class FakeEngine:
             self.active -= 1
         return completions
 
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        """No weights to load: the replies stay, tagged with `version` from now on."""
+        self.version = version
+
+    def sleep(self) -> None:
+        self.sleeping = True
+
+    def wake(self) -> None:
+        self.sleeping = False
+
     def close(self) -> None:
         self.closed = True
 
 
 class StreamingFakeEngine(FakeEngine):
-    """Also streams: first token after `latency_s`, then one token every `token_latency_s`."""
+    """Also streams: first token after `latency_s`, then one token every `token_latency_s`;
+    `fail_after_tokens` makes the stream raise after that many tokens."""
 
     def __init__(
         self,
-        tokenizer: Tokenizer,
+        tokenizer: TextTokenizer,
         *,
         token_latency_s: float = 0.0,
         **kw: Unpack[FakeEngineOptions],
@@ -154,7 +167,7 @@ class StreamingFakeEngine(FakeEngine):
         prompt_ids: Sequence[int],
         params: SamplingParams,
         images: Sequence[np.ndarray] | None = None,
-    ) -> AsyncIterator[FakeDelta]:
+    ) -> AsyncIterator[CompletionDelta]:
         self.requests.append((list(prompt_ids), params, len(images or ())))
         completions = self._sample(prompt_ids, params)
         self.active += 1
@@ -169,11 +182,7 @@ class StreamingFakeEngine(FakeEngine):
                     if self.fail_after_tokens is not None and sent >= self.fail_after_tokens:
                         raise RuntimeError("fake engine failure")
                     sent += 1
-                    top = c.top_logprobs[j : j + 1] if c.top_logprobs else None
-                    last = j == len(c.token_ids) - 1
-                    lps = c.logprobs[j : j + 1] if c.logprobs is not None else None
-                    yield FakeDelta(i, c.token_ids[j : j + 1], lps, top,
-                                    c.finish_reason if last else None, c.policy_version)
+                    yield c.delta(i, j, j + 1, last=j == len(c.token_ids) - 1)
                 if self.token_latency_s:
                     await asyncio.sleep(self.token_latency_s)
         except (asyncio.CancelledError, GeneratorExit):
