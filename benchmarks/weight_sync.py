@@ -29,7 +29,8 @@ def main() -> None:
     from agentrl.models import load_model
     from trainers.cli import build_config
     from trainers.ray_utils import init_ray, shutdown_ray
-    from trainers.sampling import EngineWorker, RolloutWorker, weight_buckets
+    from trainers.rollout_engines import EngineWorker
+    from trainers.rollout_worker import RolloutWorker, weight_buckets
 
     cfg = build_config(["--env", "digits", "--actor.model", args.model, "--rollout.mode",
                         "placed", "--rollout.num_engines", str(args.engines)])

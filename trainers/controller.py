@@ -325,7 +325,7 @@ class Trainer:
             self.policy.call(  # type: ignore[union-attr]
                 "broadcast_weights", self.rollout.obj, self.step)
             return
-        from trainers.sampling import WEIGHTS_GROUP, weight_buckets
+        from trainers.rollout_worker import WEIGHTS_GROUP, weight_buckets
 
         weights = self._policy.call("named_weights")
         buckets = list(weight_buckets(weights, self.cfg.rollout.weight_sync_bucket_mb))
@@ -348,7 +348,7 @@ class Trainer:
     def _eval_change(self) -> dict[str, Any]:
         """pass@1 after minus before, on the problems both scored, with its 95% interval."""
         from agentrl.rollout.evaluate import paired_change
-        from trainers.sampling import eval_setting
+        from trainers.episodes import eval_setting
 
         change, half, n = paired_change(self._eval_rates["eval_before"],
                                         self._eval_rates["eval_after"])

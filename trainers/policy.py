@@ -108,7 +108,7 @@ class PolicyWorker:
         # bump. vLLM holds its own copy, loaded after every update.
         self.shares_weights = cfg.rollout.engine == "transformers"
         if with_engine:
-            from trainers.sampling import make_engine
+            from trainers.rollout_engines import make_engine
 
             self.engine = make_engine(cfg, self.model, self.tokenizer, self.device)
 
@@ -269,7 +269,7 @@ class PolicyWorker:
 
     # ------------------------------------------------------------------ sampling (colocated)
     def collect(self, seeds: list[int], step: int) -> list:
-        from trainers.sampling import collect_agent_episodes, collect_for_step
+        from trainers.episodes import collect_agent_episodes, collect_for_step
 
         fn = collect_agent_episodes if self.cfg.agent else collect_for_step
         return self._sampling(fn, seeds, step)
@@ -310,7 +310,7 @@ class PolicyWorker:
         return metrics
 
     def evaluate(self) -> dict[str, Any]:
-        from trainers.sampling import evaluate_engine
+        from trainers.episodes import evaluate_engine
 
         return self._sampling(evaluate_engine)
 

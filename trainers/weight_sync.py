@@ -89,7 +89,7 @@ def _caller(rollout: Any, name: str) -> Callable[..., Any]:
     if hasattr(method, "remote"):  # a Ray actor handle
         import ray
 
-        from trainers.sampling import WEIGHTS_GROUP
+        from trainers.rollout_worker import WEIGHTS_GROUP
 
         group = method.options(concurrency_group=WEIGHTS_GROUP)
         return lambda *args: ray.get(group.remote(*args))

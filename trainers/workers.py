@@ -122,7 +122,7 @@ def start_workers(cfg: TrainConfig, weight_sync: WeightSync) -> Workers:
     """The run's workers; `weight_sync` is how weights reach a rollout worker
     (trainers/weight_sync.py)."""
     from trainers.policy import PolicyWorker
-    from trainers.sampling import RolloutWorker
+    from trainers.rollout_worker import RolloutWorker
 
     placed = cfg.rollout.mode == "placed"
     # The policy samples only when colocated and not replaying recorded rollouts ... and for
@@ -149,7 +149,8 @@ def _start_actors(
     import ray
 
     from trainers.policy import PolicyWorker
-    from trainers.sampling import WEIGHTS_GROUP, EngineWorker, RolloutWorker
+    from trainers.rollout_engines import EngineWorker
+    from trainers.rollout_worker import WEIGHTS_GROUP, RolloutWorker
     from trainers.weight_sync import engine_weight_transfer
 
     policy_opts, rollout_opts = actor_options(cfg, rollout=rollout)

@@ -8,7 +8,7 @@ import dataclasses
 
 def test_rollout_budgets_end_training_and_eval_episodes(make_cfg, tiny_tokenizer):
     from agentrl.engine.fakes import FakeEngine
-    from trainers.sampling import collect_for_step, evaluate_engine
+    from trainers.episodes import collect_for_step, evaluate_engine
 
     engine = FakeEngine(tiny_tokenizer, reply="123")
     cfg = make_cfg(env_kwargs={"turns": 5}, rollout={"max_turns": 2, "n_samples_per_prompt": 2})
@@ -29,7 +29,7 @@ def test_rollout_budgets_end_training_and_eval_episodes(make_cfg, tiny_tokenizer
 def test_an_env_with_its_own_turn_rule_is_told_the_runs_turn_budget(make_cfg, tiny_tokenizer):
     """math-tir's last turn must answer, so it learns the run's turn budget
     (`--rollout.max_turns 3` means three math-tir turns, not its default 4); env_kwargs win."""
-    from trainers.sampling import env_factory
+    from trainers.episodes import env_factory
 
     cfg = make_cfg(env="math-tir", env_kwargs={"split": "eval", "num_problems": 4},
                    rollout={"max_turns": 3})

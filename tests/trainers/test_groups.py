@@ -95,7 +95,7 @@ def test_agent_sessions_are_grouped_like_env_episodes(make_cfg, tmp_path, tiny_t
     env rollouts; the trainer's group ids follow."""
     from agentrl.engine.fakes import FakeEngine
     from trainers.batch import collate
-    from trainers.sampling import collect_agent_episodes, group_prefix
+    from trainers.episodes import collect_agent_episodes, group_prefix
 
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(f'{{"prompt": "Count from {i}."}}\n' for i in range(3)))

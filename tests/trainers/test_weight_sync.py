@@ -64,7 +64,7 @@ def test_a_broadcast_sync_makes_every_rollout_engine_sample_the_trained_weights(
     RolloutWorker.weight_transfer), in one process over gloo, with two engines behind the
     router: one group spans both engines' workers, each tensor is sent once."""
     from trainers.policy import PolicyWorker
-    from trainers.sampling import RolloutWorker
+    from trainers.rollout_worker import RolloutWorker
 
     cfg = make_cfg(actor={"model": tiny_vllm_dir, "lr": 1e-2},
                    rollout={"engine": "vllm", "mode": "placed", "prompts_per_step": 4,
@@ -142,13 +142,13 @@ def test_a_restarted_engine_joins_the_next_weight_group_before_it_samples(make_c
 
     import ray
 
-    import trainers.sampling as sampling
+    import trainers.rollout_worker as rollout_worker
     from agentrl.engine.router import EngineGone, EngineRouter
 
-    monkeypatch.setattr(sampling, "RemoteEngine", _RemoteReceiver)
+    monkeypatch.setattr(rollout_worker, "RemoteEngine", _RemoteReceiver)
     monkeypatch.setattr(ray, "remote", lambda cls: types.SimpleNamespace(
         options=lambda **kw: types.SimpleNamespace(remote=lambda *a: "actor")))
-    worker = sampling.RolloutWorker.__new__(sampling.RolloutWorker)
+    worker = rollout_worker.RolloutWorker.__new__(rollout_worker.RolloutWorker)
     worker.cfg = make_cfg(rollout={"engine": "vllm", "mode": "placed", "num_engines": 2})
     worker._transfer, worker._extra_options = "gloo", [{}]
     worker._group_lock, worker._group_epoch = threading.Lock(), 0

@@ -1,0 +1,188 @@
+"""A training step's episodes: the env each episode runs (the train or the held-out split), the
+step's sampling, and collecting them against an engine: env rollouts, agent sessions through the
+proxy (`--agent`), and the held-out evaluation."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from agentrl.plugins import load_callable
+from agentrl.seeding import derive_seed
+from agentrl.types import SamplingParams, Trajectory
+from trainers.config import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+
+def env_kwargs(cfg: TrainConfig, *, eval_split: bool = False) -> dict[str, Any]:
+    """The keyword arguments the run's env (its training or held-out split) is made with."""
+    from agentrl.envs import resolve_env_id
+    from agentrl.envs.registry import env_takes
+
+    kwargs: dict[str, Any] = dict(cfg.env_kwargs)
+    if cfg.dataset.path:
+        kwargs.update(cfg.single_turn_kwargs(eval_split=eval_split))
+    if eval_split:
+        kwargs.update(cfg.eval_env_kwargs)
+    # The rollout loop enforces the run's turn and token budgets. An env whose own task rule
+    # depends on its turn limit (math-tir: the last turn must answer) is told the turn budget.
+    if cfg.rollout.max_turns is not None and env_takes(resolve_env_id(cfg.env), "max_turns"):
+        kwargs.setdefault("max_turns", cfg.rollout.max_turns)
+    return kwargs
+
+
+def env_factory(cfg: TrainConfig, tokenizer: Any, *, eval_split: bool = False) -> Callable[[], Any]:
+    import gymnasium as gym
+
+    from agentrl.envs import resolve_env_id
+
+    env_id = resolve_env_id(cfg.env)
+    kwargs = env_kwargs(cfg, eval_split=eval_split)
+    return lambda: gym.make(env_id, tokenizer=tokenizer, **kwargs)
+
+
+def eval_setting(cfg: TrainConfig) -> dict[str, Any]:
+    """What the run's evals measure, for the record: the env and the arguments that choose its
+    held-out problems (split, tasks, difficulty, ...), how many, and how they are sampled."""
+    import json
+
+    chosen = {k: v for k, v in env_kwargs(cfg, eval_split=True).items()
+              if isinstance(v, str | int | float | bool | list | dict)}
+    return {"env": cfg.env, **json.loads(json.dumps(chosen, default=str)),
+            "problems": cfg.eval_problems, "samples_per_problem": cfg.eval_samples,
+            "temperature": cfg.eval_temperature}
+
+
+def sampling_params(
+    cfg: TrainConfig, *, purpose: int | str, temperature: float | None = None
+) -> SamplingParams:
+    """The run's sampling, seeded from --seed and `purpose` (a training step, or "eval"): the
+    collector derives each episode's and turn's seed from it, so the same seed, config and
+    machine sample the same tokens, and a resumed run samples what an uninterrupted one would.
+    Evals before and after training share their seeds (common random numbers)."""
+    return SamplingParams(
+        temperature=cfg.rollout.temperature if temperature is None else temperature,
+        top_p=cfg.rollout.top_p,
+        max_tokens=cfg.rollout.max_new_tokens,
+        seed=derive_seed(cfg.seed, purpose),
+    )
+
+
+def collect_for_step(
+    engine: Any, cfg: TrainConfig, tokenizer: Any, seeds: list[int], step: int
+) -> list[Trajectory]:
+    from agentrl.rollout import collect_sync
+
+    return collect_sync(
+        engine,
+        env_factory(cfg, tokenizer),
+        num_prompts=len(seeds),
+        n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+        sampling=sampling_params(cfg, purpose=step),
+        seeds=seeds,
+        max_turns=cfg.rollout.max_turns,
+        max_episode_tokens=cfg.rollout.max_episode_tokens,
+        max_concurrency=cfg.rollout.max_concurrency,
+        group_prefix=group_prefix(step),
+        env_timeout_s=cfg.rollout.env_timeout_s,
+    )
+
+
+def group_prefix(step: int) -> str:
+    """Prefix of the groups of a training step's rollouts (env episodes and agent sessions):
+    prompt i of step s is group "s{s}-{i}", distinct across steps (and async rollouts)."""
+    return f"s{step}-"
+
+
+def collect_agent_episodes(
+    engine: Any, cfg: TrainConfig, tokenizer: Any, seeds: list[int], step: int
+) -> list[Trajectory]:
+    """Run the configured black-box agent through the recording proxy: prompt i of the step is
+    task `seeds[i] % len(tasks)`, run n_samples_per_prompt times as one group, each episode
+    scored by --agent_reward or by the reward service of --reward.url."""
+    import asyncio
+
+    from servers.agents import remote_agent_reward, run_agents
+    from servers.app import create_app
+    from servers.config import ProxyConfig
+
+    agent_fn = load_callable(cfg.agent)
+    if cfg.agent_reward:
+        reward_fn = load_callable(cfg.agent_reward)
+    else:  # the config checked that one of the two is set
+        assert cfg.reward.url is not None
+        reward_fn = remote_agent_reward(cfg.reward.url, timeout_s=cfg.reward.timeout_s,
+                                        retries=cfg.reward.retries, max_batch=cfg.reward.max_batch)
+    tasks = load_tasks(cfg.agent_tasks)
+    _warn_unused_budgets(cfg)
+    picked = [tasks[s % len(tasks)] for s in seeds]
+    # Agents may name the policy "agentrl" or by its model name; both are served.
+    app = create_app(engine, tokenizer, config=ProxyConfig(aliases=(cfg.actor.model,)))
+    return asyncio.run(
+        run_agents(
+            agent_fn,
+            picked,
+            app=app,
+            reward_fn=reward_fn,
+            concurrency=cfg.rollout.max_concurrency,
+            n_samples_per_task=cfg.rollout.n_samples_per_prompt,
+            group_prefix=group_prefix(step),
+        )
+    )
+
+
+_budget_warned = False
+
+
+def _warn_unused_budgets(cfg: TrainConfig) -> None:
+    global _budget_warned
+    ro = cfg.rollout
+    if _budget_warned or (ro.max_turns is None and ro.max_episode_tokens is None):
+        return
+    _budget_warned = True
+    logger.warning(
+        "--rollout.max_turns and --rollout.max_episode_tokens apply to env rollouts only; an "
+        "--agent runs its own loop through the proxy (limit its turns in the agent, its tokens "
+        "per call with max_tokens)"
+    )
+
+
+def load_tasks(path: str | None) -> list[Any]:
+    import json
+    from pathlib import Path
+
+    if not path or not Path(path).is_file():
+        raise ValueError(f"--agent_tasks {path!r} does not exist")
+    tasks = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if not tasks:
+        raise ValueError(f"--agent_tasks {path} holds no tasks")
+    return tasks
+
+
+def evaluate_engine(engine: Any, cfg: TrainConfig, tokenizer: Any) -> dict[str, Any]:
+    """pass@1 / pass@k on the env's held-out split (`eval_env_kwargs`)."""
+    from agentrl.rollout.evaluate import evaluate
+
+    result = evaluate(
+        engine,
+        env_factory(cfg, tokenizer, eval_split=True),
+        num_problems=cfg.eval_problems,
+        k=cfg.eval_samples,
+        sampling=sampling_params(cfg, purpose="eval", temperature=cfg.eval_temperature),
+        max_turns=cfg.rollout.max_turns,
+        max_episode_tokens=cfg.rollout.max_episode_tokens,
+        progress=cfg.progress,
+        env_timeout_s=cfg.rollout.env_timeout_s,
+    )
+    return {
+        "pass@1": result.pass_at_1,
+        "pass@1_ci95": result.pass_at_1_ci95,
+        f"pass@{cfg.eval_samples}": result.pass_at_k,
+        "mean_return": result.mean_return,
+        "num_problems": result.num_problems,
+        "num_samples": result.num_samples,
+        "trajectories": result.trajectories,
+        "rates": result.rates(),
+    }
