@@ -69,12 +69,22 @@ def _is_vision(name: str) -> bool:
                                          "vision_model", "connector"))
 
 
-def _rollout(name: str, model, tok) -> list[Trajectory]:
+def _rollout(name: str, model, tok, image_token: int) -> list[Trajectory]:
+    """Episodes as the trainer takes them: a random policy may sample its image placeholder
+    token, and the trainer discards such episodes (rl_step.discard_placeholders); whole groups
+    are kept, for the group baseline."""
+    from trainers.rl_step import discard_placeholders
+
     with TransformersEngine(model, tok, max_batch_size=8, seed=0) as engine:
-        return collect_sync(
-            engine, lambda: ChatTokenEnv(_Screens(), tok), num_prompts=2, n_samples_per_prompt=2,
+        trajs = collect_sync(
+            engine, lambda: ChatTokenEnv(_Screens(), tok), num_prompts=3, n_samples_per_prompt=2,
             sampling=SamplingParams(temperature=1.0, max_tokens=6, seed=0),
         )
+    discard_placeholders(trajs, image_token)
+    spoilt = {t.group for t in trajs if t.discard}
+    kept = [t for t in trajs if t.group not in spoilt]
+    assert len(kept) >= 4, [t.info.get("error") for t in trajs]
+    return kept
 
 
 @pytest.fixture(scope="module", params=TINY_VLMS)
@@ -85,7 +95,8 @@ def worker_and_rollouts(request, tmp_path_factory):
 
     cfg = tiny_cfg(tmp_path_factory.mktemp("vlm"), actor={"model": request.param})
     worker = PolicyWorker(cfg, with_engine=False)
-    return worker, _rollout(request.param, worker.model, worker.tokenizer)
+    return worker, _rollout(request.param, worker.model, worker.tokenizer,
+                            worker.vision.image_token_id)
 
 
 def test_episodes_record_their_screenshots_where_their_tokens_sit(worker_and_rollouts):
@@ -159,7 +170,7 @@ def test_the_ppo_critic_sees_the_screenshots(name, tmp_path):
 
     cfg = tiny_cfg(tmp_path, actor={"model": name}, algo={"estimator": "gae"})
     worker = PolicyWorker(cfg, with_engine=False)
-    trajs = _rollout(name, worker.model, worker.tokenizer)
+    trajs = _rollout(name, worker.model, worker.tokenizer, worker.vision.image_token_id)
     assert worker.critic is not None
     critic = worker.critic.module
     before = {k: v.detach().clone() for k, v in critic.named_parameters()}
