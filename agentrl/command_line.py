@@ -185,3 +185,36 @@ class SamplingOptions:
         if self.max_new_tokens < 1:
             raise ValueError(f"{self.FLAGS}max_new_tokens must be >= 1, got "
                              f"{self.max_new_tokens}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EpisodeOptions(LocalEngineOptions, SamplingOptions):
+    """What a command that samples episodes itself (eval, rollout) takes besides its own flags:
+    its engine, the sampling, the episode budgets, the seed and the progress bar."""
+
+    max_episode_tokens: int | None = None
+    """Most tokens per episode (prompt, actions and observations); None = the model's context."""
+    max_turns: int | None = None
+    """Most policy turns per episode (None: only the env's own rules end it)."""
+    seed: int = 0
+    """Seeds the env resets and the sampling, so a rerun gives the same episodes."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self) -> None:
+        if validation_deferred():
+            return
+        from agentrl.rollout.budget import check_budget
+
+        LocalEngineOptions.__post_init__(self)
+        SamplingOptions.__post_init__(self)
+        check_budget(self.max_turns, "--max_turns")
+        check_budget(self.max_episode_tokens, "--max_episode_tokens")
+
+
+def check_positive(options: object, *names: str) -> None:
+    """A ValueError naming the first of `names` (int fields of `options`) below 1."""
+    for name in names:
+        value = getattr(options, name)
+        if value < 1:
+            raise ValueError(f"--{name} must be >= 1, got {value}")

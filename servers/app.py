@@ -11,14 +11,14 @@ from fastapi.responses import JSONResponse
 
 from agentrl.engine.base import Engine
 from agentrl.models.vision import VisionProcessor
-from servers import chat, completions, responses, session_routes
+from servers import chat_completions, completions, responses, session_routes
 from servers.config import ProxyConfig, ProxyState
 from servers.deps import Tokenizer
 from servers.errors import APIError, install_error_handlers
 from servers.generation import check_model, off_loop, parse_body, parse_request
 from servers.images import load_images
 from servers.middleware import ProxyGuard
-from servers.protocol import DetokenizeRequest, TokenizeRequest
+from servers.openai_schemas import DetokenizeRequest, TokenizeRequest
 from servers.render import message_chars
 from servers.sessions import InMemorySessionStore, SessionStore
 
@@ -46,7 +46,7 @@ def create_app(
     app = FastAPI(title="agentrl proxy", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.proxy = ProxyState.build(engine, tokenizer, store, config, processor)
     install_error_handlers(app)
-    for router in (chat.router, completions.router, responses.router, misc):
+    for router in (chat_completions.router, completions.router, responses.router, misc):
         app.include_router(router)
         app.include_router(router, prefix="/sessions/{session_id}")
     app.include_router(session_routes.router)

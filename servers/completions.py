@@ -31,7 +31,7 @@ from servers.generation import (
     stored,
     stored_stream_end,
 )
-from servers.protocol import CompletionRequest
+from servers.openai_schemas import CompletionRequest
 from servers.streaming import ChoiceText, sse
 
 if TYPE_CHECKING:

@@ -202,7 +202,7 @@ def sampling_params(
 
 def _logit_bias(state: ProxyState, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's `logit_bias` as (id, bias) pairs, or a 400 for an id outside the vocabulary
-    (`servers.protocol.LogitBias` has checked that keys are ASCII digits, biases in range)."""
+    (`servers.openai_schemas.LogitBias` has checked that keys are ASCII digits, biases in range)."""
     pairs = []
     vocab = len(state.tokenizer)
     for key, value in (bias or {}).items():

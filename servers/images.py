@@ -23,7 +23,7 @@ from agentrl.http_client import async_http_client
 from agentrl.models.vision import MAX_IMAGE_PIXELS, ImageError, check_image
 from servers.config import ProxyConfig
 from servers.errors import APIError
-from servers.protocol import ChatMessage
+from servers.openai_schemas import ChatMessage
 
 
 def image_urls(messages: Sequence[ChatMessage]) -> list[str]:

@@ -29,7 +29,7 @@ from agentrl.models.vision import ImageError, VisionProcessor
 from agentrl.types import Image
 from servers.deps import Tokenizer
 from servers.errors import APIError
-from servers.protocol import ChatMessage, TextPart, ToolCallIn, ToolDef
+from servers.openai_schemas import ChatMessage, TextPart, ToolCallIn, ToolDef
 
 if TYPE_CHECKING:
     Message = dict[str, object]

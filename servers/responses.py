@@ -22,22 +22,16 @@ import json
 import logging
 import secrets
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Discriminator,
-    Field,
-    Tag,
     ValidationError,
-    field_validator,
 )
 
 from agentrl.types import Completion
-from servers.chat import ChatCall, prepare, sample
+from servers.chat_completions import ChatCall, prepare, sample
 from servers.config import ProxyState
 from servers.errors import APIError, validation_message
 from servers.generation import (
@@ -48,13 +42,16 @@ from servers.generation import (
     parse_request,
     stored,
 )
-from servers.protocol import (
+from servers.openai_schemas import (
     ChatCompletionRequest,
-    JSONObject,
-    MaxTokens,
-    Temperature,
-    TopLogprobs,
-    TopP,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    InputImage,
+    InputText,
+    MessageItem,
+    Refusal,
+    ResponsesNamedFunction,
+    ResponsesRequest,
 )
 from servers.streaming import ChoiceText
 from servers.tools import ParseEvent, ToolCall
@@ -62,155 +59,7 @@ from servers.tools import ParseEvent, ToolCall
 log = logging.getLogger(__name__)
 router = APIRouter()
 
-_STRICT = ConfigDict(strict=True, extra="allow")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-
-
-class InputText(BaseModel):
-    model_config = _STRICT
-    type: Literal["input_text", "output_text"]
-    text: str
-
-
-class Refusal(BaseModel):
-    model_config = _STRICT
-    type: Literal["refusal"]
-    refusal: str
-
-
-class InputImage(BaseModel):
-    model_config = _STRICT
-    type: Literal["input_image"]
-    image_url: str | None = None
-    file_id: str | None = None
-    detail: str | None = None
-
-
-ContentIn = Annotated[InputText | Refusal | InputImage, Field(discriminator="type")]
-
-
-class MessageItem(BaseModel):
-    model_config = _STRICT
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[ContentIn]
-
-
-class FunctionCallItem(BaseModel):
-    model_config = _STRICT
-    type: Literal["function_call"]
-    call_id: str
-    name: str
-    arguments: str
-
-
-class FunctionCallOutputItem(BaseModel):
-    model_config = _STRICT
-    type: Literal["function_call_output"]
-    call_id: str
-    output: str | list[InputText]
-
-
-class ReasoningItem(BaseModel):
-    """Sent back by clients that keep every output item; a model here never writes one."""
-
-    model_config = _STRICT
-    type: Literal["reasoning"]
-
-
-def _item_kind(value: Any) -> str | None:
-    kind = value.get("type", "message") if isinstance(value, dict) else getattr(
-        value, "type", "message")
-    if not isinstance(kind, str):  # e.g. ["function_call"]: no kind (and unhashable)
-        return None
-    return kind if kind in _ITEM_KINDS else "unsupported"
-
-
-class UnsupportedItem(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-
-    @field_validator("type")
-    @classmethod
-    def _refuse(cls, kind: str) -> str:
-        raise ValueError(f"input items of type {kind[:60]!r} are not supported; send items "
-                         f"of type {_KINDS_SHOWN} (and their content in full instead of an "
-                         f"item_reference)")
-
-
-_ITEM_KINDS = ("message", "function_call", "function_call_output", "reasoning")
-_KINDS_SHOWN = ", ".join(repr(k) for k in _ITEM_KINDS)
-InputItem = Annotated[
-    Annotated[MessageItem, Tag("message")]
-    | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-    | Annotated[ReasoningItem, Tag("reasoning")]
-    | Annotated[UnsupportedItem, Tag("unsupported")],
-    Discriminator(_item_kind, custom_error_type="invalid_item_type",
-                  custom_error_message=f"an input item's `type` must be a string, one of "
-                                       f"{_KINDS_SHOWN}"),
-]
-
-
-class FunctionTool(BaseModel):
-    model_config = _STRICT
-    type: str
-    name: str = Field(min_length=1, max_length=128)
-    description: str | None = None
-    parameters: JSONObject | None = None
-    strict: bool | None = None
-
-    @field_validator("type")
-    @classmethod
-    def _functions_only(cls, kind: str) -> str:
-        if kind != "function":
-            raise ValueError(f"only function tools are supported, not {kind!r} (this server "
-                             f"has no built-in tools)")
-        return kind
-
-
-class NamedFunction(BaseModel):
-    model_config = _STRICT
-    type: Literal["function"]
-    name: str
-
-
-class TextFormatConfig(BaseModel):
-    model_config = _STRICT
-    type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
-    schema_: JSONObject | bool | None = Field(default=None, alias="schema")
-    description: str | None = None
-    strict: bool | None = None
-
-
-class TextConfig(BaseModel):
-    model_config = _STRICT
-    format: TextFormatConfig | None = None
-
-
-class ResponsesRequest(BaseModel):
-    model_config = _STRICT
-    model: str
-    input: list[InputItem]
-    instructions: str | None = None
-    previous_response_id: str | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
-    parallel_tool_calls: bool | None = None
-    text: TextConfig | None = None
-    max_output_tokens: MaxTokens | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_logprobs: TopLogprobs | None = None
-    include: list[str] | None = None
-    metadata: dict[str, str] | None = None
-    stream: bool = False
-
-    @field_validator("input", mode="before")
-    @classmethod
-    def _text_is_a_user_message(cls, value: Any) -> Any:
-        return [{"role": "user", "content": value}] if isinstance(value, str) else value
 
 
 def _text_of(content: str | list) -> str:
@@ -277,7 +126,7 @@ def _chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionR
     if req.tools:
         body["tools"] = [{"type": "function", "function": t.model_dump(
             exclude={"type"}, exclude_none=True)} for t in req.tools]
-    if isinstance(req.tool_choice, NamedFunction):
+    if isinstance(req.tool_choice, ResponsesNamedFunction):
         body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
     elif req.tool_choice is not None:
         body["tool_choice"] = req.tool_choice
@@ -334,7 +183,7 @@ class _Answer:
                      "output_tokens": done, "output_tokens_details": {"reasoning_tokens": 0},
                      "total_tokens": prompt + done}
         tool_choice: Any = req.tool_choice if req.tool_choice is not None else "auto"
-        if isinstance(tool_choice, NamedFunction):
+        if isinstance(tool_choice, ResponsesNamedFunction):
             tool_choice = tool_choice.model_dump()
         return {
             "id": self.id, "object": "response", "created_at": float(self.call.created),

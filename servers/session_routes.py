@@ -14,7 +14,7 @@ from agentrl.types import Trajectory
 from servers.config import ProxyState
 from servers.errors import APIError
 from servers.generation import parse_body, stored, valid_session_id
-from servers.protocol import RewardRequest, SessionCreate
+from servers.openai_schemas import RewardRequest, SessionCreate
 from servers.sessions import Session
 
 log = logging.getLogger(__name__)

@@ -17,13 +17,12 @@ from typing import Annotated
 import tyro
 
 from agentrl.command_line import (
-    LocalEngineOptions,
-    SamplingOptions,
+    EpisodeOptions,
+    check_positive,
     parse_flags,
     validation_deferred,
 )
 from agentrl.models import DEFAULT_MODEL
-from agentrl.rollout.budget import check_budget
 
 RENAMED = {"--max_tokens": "--max_new_tokens"}
 """Flags renamed to the spelling train, eval and rollout share (the old one works until the next
@@ -31,7 +30,7 @@ release)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class RolloutArgs(LocalEngineOptions, SamplingOptions):
+class RolloutArgs(EpisodeOptions):
     """Sample trajectories from an environment and write them as JSON lines."""
 
     env: str
@@ -42,29 +41,15 @@ class RolloutArgs(LocalEngineOptions, SamplingOptions):
     """Episodes per prompt (one group, for group baselines)."""
     prompts: int = 8
     """Distinct prompts (env resets with seeds seed, seed+1, ...)."""
-    max_episode_tokens: int | None = None
-    """Most tokens per episode (prompt, actions and observations); None = the model's context."""
-    max_turns: int | None = None
-    """Most policy turns per episode (None: only the env's own rules end it)."""
     seed: int = 0
     """First reset seed; also seeds sampling, so a rerun gives the same file."""
     out: Path = Path("rollouts.jsonl")
     """Where to write the trajectories."""
-    progress: bool = True
-    """Show a progress bar."""
 
     def __post_init__(self) -> None:
-        if validation_deferred():
-            return
-        LocalEngineOptions.__post_init__(self)
-        SamplingOptions.__post_init__(self)
-        for name in ("samples", "prompts"):
-            if getattr(self, name) < 1:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
-                )
-        check_budget(self.max_turns, "--max_turns")
-        check_budget(self.max_episode_tokens, "--max_episode_tokens")
+        if not validation_deferred():
+            EpisodeOptions.__post_init__(self)
+            check_positive(self, "samples", "prompts")
 
 
 def main(argv: list[str]) -> int:

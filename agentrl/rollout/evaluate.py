@@ -30,13 +30,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 import tyro
 
 from agentrl.command_line import (
-    LocalEngineOptions,
-    SamplingOptions,
+    EpisodeOptions,
+    check_positive,
     parse_flags,
     validation_deferred,
 )
 from agentrl.models import DEFAULT_MODEL
-from agentrl.rollout.budget import check_budget
 from agentrl.types import SamplingParams, Trajectory
 
 if TYPE_CHECKING:
@@ -223,7 +222,7 @@ def evaluate(
 
 
 @dataclass(frozen=True, kw_only=True)
-class EvalArgs(LocalEngineOptions, SamplingOptions):
+class EvalArgs(EpisodeOptions):
     """Evaluate a model on an environment: pass@1 and pass@k over its eval split."""
 
     env: str = "math-tir"
@@ -242,8 +241,6 @@ class EvalArgs(LocalEngineOptions, SamplingOptions):
     """Sampling temperature (0 = greedy: one sample per problem)."""
     max_episode_tokens: int | None = 2048
     """Most tokens per episode (prompt, actions, observations); the episode ends truncated."""
-    max_turns: int | None = None
-    """Most policy turns per episode, for any env (None: only the env's own rules end it)."""
     seed: int = 0
     """Sampling seed (a rerun gives the same samples)."""
     env_kwargs: str = "{}"
@@ -252,22 +249,14 @@ class EvalArgs(LocalEngineOptions, SamplingOptions):
     '{"data_path": "problems.jsonl"}' (`help(gym.spec(ID).kwargs["target"])` lists them)."""
     out: Path | None = None
     """Write the trajectories here as JSON lines."""
-    progress: bool = True
-    """Show a progress bar."""
 
     def __post_init__(self) -> None:
         if validation_deferred():
             return
-        LocalEngineOptions.__post_init__(self)
-        SamplingOptions.__post_init__(self)
-        for name in ("num_problems", "k"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
-                                 f"{getattr(self, name)}")
+        EpisodeOptions.__post_init__(self)
+        check_positive(self, "num_problems", "k")
         if self.samples is not None and self.samples < self.k:
             raise ValueError(f"-n/--samples ({self.samples}) must be >= -k ({self.k})")
-        check_budget(self.max_turns, "--max_turns")
-        check_budget(self.max_episode_tokens, "--max_episode_tokens")
 
 
 def env_kwargs_for(args: EvalArgs, env_id: str) -> dict[str, Any]:

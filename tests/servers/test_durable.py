@@ -24,7 +24,7 @@ from servers.cli import vocabulary_id
 from servers.durable import SqliteSessionStore
 from servers.serving import serve_in_thread
 from servers.sessions import StoreError
-from tests.servers.test_tool_calls import CALL_TEXT, TOOLS, _episode, _tool_reply
+from tests.servers.test_tool_calls import CALL_TEXT, _episode, _tool_reply
 
 
 def _open(path, tok):

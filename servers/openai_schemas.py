@@ -12,9 +12,18 @@ package's own models.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 from servers.finite import check_finite_json, in_range
 from servers.sessions import SESSION_ID_PATTERN
@@ -289,3 +298,153 @@ class SessionCreate(BaseModel):
     id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
     group: str | None = None
     info: dict = Field(default_factory=dict)
+
+
+# The Responses API's request (`POST /v1/responses`, servers/responses.py): input items, tools
+# and the text format, as strict as the chat request above.
+
+class InputText(BaseModel):
+    model_config = _STRICT
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class Refusal(BaseModel):
+    model_config = _STRICT
+    type: Literal["refusal"]
+    refusal: str
+
+
+class InputImage(BaseModel):
+    model_config = _STRICT
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
+
+
+ContentIn = Annotated[InputText | Refusal | InputImage, Field(discriminator="type")]
+
+
+class MessageItem(BaseModel):
+    model_config = _STRICT
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[ContentIn]
+
+
+class FunctionCallItem(BaseModel):
+    model_config = _STRICT
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(BaseModel):
+    model_config = _STRICT
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputText]
+
+
+class ReasoningItem(BaseModel):
+    """Sent back by clients that keep every output item; a model here never writes one."""
+
+    model_config = _STRICT
+    type: Literal["reasoning"]
+
+
+def _item_kind(value: Any) -> str | None:
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(
+        value, "type", "message")
+    if not isinstance(kind, str):  # e.g. ["function_call"]: no kind (and unhashable)
+        return None
+    return kind if kind in _ITEM_KINDS else "unsupported"
+
+
+class UnsupportedItem(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _refuse(cls, kind: str) -> str:
+        raise ValueError(f"input items of type {kind[:60]!r} are not supported; send items "
+                         f"of type {_KINDS_SHOWN} (and their content in full instead of an "
+                         f"item_reference)")
+
+
+_ITEM_KINDS = ("message", "function_call", "function_call_output", "reasoning")
+_KINDS_SHOWN = ", ".join(repr(k) for k in _ITEM_KINDS)
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")]
+    | Annotated[UnsupportedItem, Tag("unsupported")],
+    Discriminator(_item_kind, custom_error_type="invalid_item_type",
+                  custom_error_message=f"an input item's `type` must be a string, one of "
+                                       f"{_KINDS_SHOWN}"),
+]
+
+
+class FunctionTool(BaseModel):
+    model_config = _STRICT
+    type: str
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: JSONObject | None = None
+    strict: bool | None = None
+
+    @field_validator("type")
+    @classmethod
+    def _functions_only(cls, kind: str) -> str:
+        if kind != "function":
+            raise ValueError(f"only function tools are supported, not {kind!r} (this server "
+                             f"has no built-in tools)")
+        return kind
+
+
+class ResponsesNamedFunction(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    name: str
+
+
+class TextFormatConfig(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: JSONObject | bool | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = _STRICT
+    format: TextFormatConfig | None = None
+
+
+class ResponsesRequest(BaseModel):
+    model_config = _STRICT
+    model: str
+    input: list[InputItem]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    max_output_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_logprobs: TopLogprobs | None = None
+    include: list[str] | None = None
+    metadata: dict[str, str] | None = None
+    stream: bool = False
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _text_is_a_user_message(cls, value: Any) -> Any:
+        return [{"role": "user", "content": value}] if isinstance(value, str) else value

@@ -40,7 +40,7 @@ from servers.generation import (
     stored_stream_end,
 )
 from servers.images import load_images
-from servers.protocol import (
+from servers.openai_schemas import (
     ChatCompletionRequest,
     ChatMessage,
     JSONObjectFormat,
