@@ -6,18 +6,11 @@ so `gym.make("agentrl/MathTIR-v0")` works after it (or `gym.make("agentrl:agentr
 with no import at all).
 """
 
+from agentrl.completion import Completion, SamplingParams
 from agentrl.envs import ChatEnv, ChatTokenEnv, TokenEnv, list_envs, load_plugins, register
 from agentrl.rewards import RewardEnv, load_reward_func
-from agentrl.types import (
-    Completion,
-    Image,
-    SamplingParams,
-    Trajectory,
-    TrajectoryBuilder,
-    Turn,
-    load_jsonl,
-    save_jsonl,
-)
+from agentrl.trajectory_files import load_jsonl, save_jsonl
+from agentrl.types import Image, Trajectory, TrajectoryBuilder, Turn
 
 __version__ = "0.1.0"
 

@@ -56,8 +56,8 @@ def projections(model, rows_list: list[int], reps: int) -> None:
 
 def rollouts(model, tok, rounds: int) -> None:
     from agentrl.backends.cpu.decode import decode_logits
+    from agentrl.completion import SamplingParams
     from agentrl.engine.transformers_engine import TransformersEngine
-    from agentrl.types import SamplingParams
 
     questions = ["What is 2+3?", "What is 7*6?"]
     prompts = []
@@ -105,8 +105,8 @@ def against_baseline(model, tok, rev: str, rounds: int) -> None:
 
     from agentrl.backends.cpu import kernels
     from agentrl.backends.cpu.decode import decode_logits
+    from agentrl.completion import SamplingParams
     from agentrl.engine.transformers_engine import TransformersEngine
-    from agentrl.types import SamplingParams
 
     repo = pathlib.Path(__file__).resolve().parents[1]
     for csrc in ("agentrl/backends/cpu/csrc", "agentrl/engine/csrc"):  # after / before issue 14

@@ -52,8 +52,8 @@ def useful(tokens: list[int], eos: set[int]) -> int:
 
 def run_engine(model, tok, prompts, args) -> dict:
     from agentrl.backends import engine_options
+    from agentrl.completion import SamplingParams
     from agentrl.engine.transformers_engine import TransformersEngine
-    from agentrl.types import SamplingParams
 
     engine = TransformersEngine(
         model,
@@ -81,8 +81,8 @@ def run_engine(model, tok, prompts, args) -> dict:
 
 
 def run_vllm(prompts, args) -> dict:
+    from agentrl.completion import SamplingParams
     from agentrl.engine import open_engine
-    from agentrl.types import SamplingParams
 
     engine = open_engine(args.model, engine="vllm", device=args.device,
                          max_batch_size=args.max_batch_size)

@@ -25,10 +25,10 @@ def child(args) -> None:
 
     import agentrl  # noqa: F401 - registers env ids
     from agentrl.backends import engine_options
+    from agentrl.completion import SamplingParams
     from agentrl.engine.transformers_engine import TransformersEngine
     from agentrl.models import load_model, load_tokenizer
     from agentrl.rollout import collect_sync
-    from agentrl.types import SamplingParams
 
     torch.manual_seed(0)
     tok = load_tokenizer(args.model)

@@ -58,9 +58,9 @@ def main() -> None:
     ap.add_argument("--at", type=int, default=32)
     args = ap.parse_args()
 
+    from agentrl.completion import SamplingParams
     from agentrl.engine import open_engine
     from agentrl.models import load_model, load_tokenizer
-    from agentrl.types import SamplingParams
 
     tok = load_tokenizer(args.model)
     engine = open_engine(args.model, engine="vllm", device="cpu", tokenizer=tok,

@@ -105,9 +105,9 @@ def _pct(xs: list[float], q: float) -> float:
 
 async def _direct(latency: float, n: int, sessions: int) -> list[float]:
     """The engine called directly, same concurrency: the baseline the proxy is compared to."""
+    from agentrl.completion import SamplingParams
     from agentrl.engine.fakes import StreamingFakeEngine
     from agentrl.models import load_tokenizer
-    from agentrl.types import SamplingParams
 
     tok = load_tokenizer("tiny")
     engine = StreamingFakeEngine(tok, latency_s=latency)

@@ -23,8 +23,8 @@ import time
 
 from machine import cpu_description  # benchmarks/machine.py
 
+from agentrl.completion import Completion, SamplingParams
 from agentrl.engine.affinity import conversation
-from agentrl.types import Completion, SamplingParams
 from agentrl.engine.router import EngineRouter
 
 

@@ -28,11 +28,12 @@ from torch import Tensor, nn
 import agentrl  # noqa: F401 (registers the built-in envs)
 from agentrl import algorithms as A
 from agentrl.command_line import parse_flags
+from agentrl.completion import SamplingParams
 from agentrl.engine import Engine, create_engine
 from agentrl.models import load_model, load_tokenizer
 from agentrl.rollout import collect_sync
 from agentrl.seeding import derive_seed
-from agentrl.types import SamplingParams, Trajectory, dense_group_ids
+from agentrl.types import Trajectory, dense_group_ids
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -12,13 +12,13 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from agentrl.completion import Completion
 from agentrl.engine.grammar import (
     GrammarError,
     json_object_grammar,
     json_schema_grammar,
     union_grammar,
 )
-from agentrl.types import Completion
 from servers.config import ProxyState
 from servers.errors import APIError, error_body
 from servers.generation import (

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from agentrl.types import Completion, SamplingParams
+from agentrl.completion import Completion, SamplingParams
 from servers.config import ProxyState
 from servers.errors import APIError, error_body
 from servers.generation import (

@@ -26,7 +26,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from agentrl.types import Completion, Image
+from agentrl.completion import Completion
+from agentrl.types import Image
 from servers.sessions import CallRecord, InMemorySessionStore, Session, StoreError
 
 log = logging.getLogger(__name__)

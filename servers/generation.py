@@ -14,9 +14,10 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from agentrl.completion import Completion, CompletionDelta, FinishReason, SamplingParams
 from agentrl.engine.affinity import affinity_key
 from agentrl.engine.base import PromptTooLongError
-from agentrl.types import Completion, CompletionDelta, FinishReason, Image, SamplingParams
+from agentrl.types import Image
 from servers.config import ProxyState
 from servers.errors import APIError, error_body, validation_message
 from servers.sessions import CallRecord, Session, StoreError, check_session_id

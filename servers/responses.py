@@ -30,7 +30,7 @@ from pydantic import (
     ValidationError,
 )
 
-from agentrl.types import Completion
+from agentrl.completion import Completion
 from servers.chat_completions import ChatCall, prepare, sample
 from servers.config import ProxyState
 from servers.errors import APIError, validation_message

@@ -35,7 +35,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from agentrl.types import Completion, Image, Trajectory, TrajectoryBuilder
+from agentrl.completion import Completion
+from agentrl.types import Image, Trajectory, TrajectoryBuilder
 from servers.finite import finite
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9_.\-]{1,128}$"

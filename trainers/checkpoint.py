@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from agentrl.files import partial_writes, replaced_atomically, write_atomically
-from agentrl.types import Trajectory, load_jsonl, save_jsonl
+from agentrl.trajectory_files import load_jsonl, save_jsonl
+from agentrl.types import Trajectory
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:

@@ -26,7 +26,7 @@ from typing import Any
 
 from agentrl.backends import NonFiniteLossError
 from agentrl.seeding import derive_seed
-from agentrl.types import iter_jsonl, save_jsonl
+from agentrl.trajectory_files import iter_jsonl, save_jsonl
 from trainers.checkpoint import (
     best_checkpoint,
     latest_checkpoint,

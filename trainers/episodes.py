@@ -8,9 +8,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from agentrl.completion import SamplingParams
 from agentrl.plugins import load_callable
 from agentrl.seeding import derive_seed
-from agentrl.types import SamplingParams, Trajectory
+from agentrl.types import Trajectory
 from trainers.config import TrainConfig
 
 logger = logging.getLogger(__name__)

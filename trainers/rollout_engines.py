@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from agentrl.types import SamplingParams
+from agentrl.completion import SamplingParams
 from trainers.config import TrainConfig
 
 

@@ -132,7 +132,7 @@ def load_sft_data(cfg: SFTConfig, tokenizer: Any) -> OfflineData[Any]:
 
 
 def _trajectory_data(cfg: SFTConfig) -> OfflineData[Any]:
-    from agentrl.types import iter_jsonl
+    from agentrl.trajectory_files import iter_jsonl
 
     assert cfg.trajectories is not None
     root = Path(cfg.trajectories)

@@ -2,7 +2,7 @@
 
 One protocol for every engine (the transformers and vLLM backends, the router over many, the
 fakes in `agentrl.engine.fakes`), streaming included; its one delta type is
-`agentrl.types.CompletionDelta`.
+`agentrl.completion.CompletionDelta`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from agentrl.types import Completion, CompletionDelta, SamplingParams
+from agentrl.completion import Completion, CompletionDelta, SamplingParams
 
 if TYPE_CHECKING:
     import numpy as np

@@ -15,8 +15,8 @@ from typing import Protocol, TypedDict, Unpack
 
 import numpy as np
 
+from agentrl.completion import Completion, CompletionDelta, FinishReason, SamplingParams
 from agentrl.engine.base import NamedTensors, PromptTooLongError
-from agentrl.types import Completion, CompletionDelta, FinishReason, SamplingParams
 
 Reply = Callable[[str, int], str]
 """(decoded prompt, choice index) -> the text the fake model 'samples'."""

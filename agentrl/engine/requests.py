@@ -8,14 +8,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from agentrl.engine.base import PromptTooLongError
-from agentrl.types import (
+from agentrl.completion import (
     Completion,
     CompletionDelta,
     FinishReason,
     SamplingParams,
     shift_version_changes,
 )
+from agentrl.engine.base import PromptTooLongError
 
 if TYPE_CHECKING:
     import numpy as np

@@ -26,9 +26,9 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from agentrl.completion import Completion, CompletionDelta, SamplingParams
 from agentrl.engine.affinity import affinity_key
 from agentrl.engine.base import GenerationError
-from agentrl.types import Completion, CompletionDelta, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import torch
 
+from agentrl.completion import SamplingParams
 from agentrl.engine.requests import Request, Sample, stop_string_hit
-from agentrl.types import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

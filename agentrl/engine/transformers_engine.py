@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Self
 import numpy as np
 import torch
 
+from agentrl.completion import Completion, CompletionDelta, SamplingParams
 from agentrl.engine.base import NamedTensors
 from agentrl.engine.grammar import GrammarMasks
 from agentrl.engine.kv import PrefixCache
@@ -38,7 +39,6 @@ from agentrl.engine.requests import Request, Sample, check_request, empty_comple
 from agentrl.engine.scheduler import Scheduler
 from agentrl.engine.token_sampling import Drawn, Sampler, model_eos_ids
 from agentrl.models.vision import VisionProcessor, is_vision_config, vision_processor
-from agentrl.types import Completion, CompletionDelta, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -76,18 +76,18 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from agentrl.engine.base import NamedTensors
-from agentrl.engine.requests import check_request
-from agentrl.engine.vllm_weights import WORKER_EXTENSION, buckets, with_tied_head
-from agentrl.engine.weight_broadcast import BACKENDS
-from agentrl.models.vision import VisionProcessor, vision_processor_for
-from agentrl.types import (
+from agentrl.completion import (
     Completion,
     CompletionDelta,
     SamplingParams,
     expand_versions,
     shift_version_changes,
 )
+from agentrl.engine.base import NamedTensors
+from agentrl.engine.requests import check_request
+from agentrl.engine.vllm_weights import WORKER_EXTENSION, buckets, with_tied_head
+from agentrl.engine.weight_broadcast import BACKENDS
+from agentrl.models.vision import VisionProcessor, vision_processor_for
 
 if TYPE_CHECKING:
     import numpy as np

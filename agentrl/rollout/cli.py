@@ -3,7 +3,7 @@
     agentrl rollout --env reverse --model tiny -n 4 --prompts 8 --out rollouts.jsonl
 
 Every trajectory is token-exact (ids, loss mask, sampler logprobs, per-turn rewards), so the
-file can be inspected, replayed or trained on (`agentrl.types.load_jsonl`).
+file can be inspected, replayed or trained on (`agentrl.trajectory_files.load_jsonl`).
 """
 
 from __future__ import annotations
@@ -66,11 +66,12 @@ def run(args: RolloutArgs) -> int:
     import gymnasium as gym
 
     import agentrl  # noqa: F401 - registers the built-in env ids
+    from agentrl.completion import SamplingParams
     from agentrl.engine import open_engine
     from agentrl.envs import resolve_env_id
     from agentrl.models import load_tokenizer
     from agentrl.rollout import collect_sync
-    from agentrl.types import SamplingParams, save_jsonl
+    from agentrl.trajectory_files import save_jsonl
 
     try:
         env_id = resolve_env_id(args.env)

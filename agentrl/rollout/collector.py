@@ -40,12 +40,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from agentrl.completion import SamplingParams
 from agentrl.engine.affinity import conversation
 from agentrl.engine.base import Engine, GenerationError, PromptTooLongError
 from agentrl.rollout.budget import EpisodeBudget
 from agentrl.rollout.env_calls import EnvThread, EnvTimeoutError
 from agentrl.seeding import derive_seed
-from agentrl.types import Image, SamplingParams, Trajectory, TrajectoryBuilder, group_name
+from agentrl.types import Image, Trajectory, TrajectoryBuilder, group_name
 
 if TYPE_CHECKING:
     import gymnasium as gym

@@ -35,8 +35,9 @@ from agentrl.command_line import (
     parse_flags,
     validation_deferred,
 )
+from agentrl.completion import SamplingParams
 from agentrl.models import DEFAULT_MODEL
-from agentrl.types import SamplingParams, Trajectory
+from agentrl.types import Trajectory
 
 if TYPE_CHECKING:
     import gymnasium as gym
@@ -337,7 +338,7 @@ def run(args: EvalArgs) -> int:
     from agentrl.engine import open_engine
     from agentrl.envs import resolve_env_id
     from agentrl.models import load_tokenizer
-    from agentrl.types import save_jsonl
+    from agentrl.trajectory_files import save_jsonl
 
     try:
         env_id = resolve_env_id(args.env)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from agentrl.backends.cpu.decode import decode_logits
+from agentrl.completion import SamplingParams
 from agentrl.engine.kv import BatchCache
 from agentrl.engine.transformers_engine import TransformersEngine
-from agentrl.types import SamplingParams
 from tests.engine._models import generate_together, llama_variant, prefill_cache, sharp_tiny_model
 
 

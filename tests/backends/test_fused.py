@@ -197,8 +197,8 @@ async def test_the_lean_decode_step_reads_the_stand_ins(tiny_tokenizer, prompts,
     tokens and logprobs, bit for bit."""
     from agentrl.backends import OptimizerSpec, create_backend
     from agentrl.backends.cpu.decode import decode_logits
+    from agentrl.completion import SamplingParams
     from agentrl.engine.transformers_engine import TransformersEngine
-    from agentrl.types import SamplingParams
     from tests.engine._models import generate_together, sharp_tiny_model
 
     monkeypatch.setenv(kernels.ENV, "1")

@@ -40,7 +40,7 @@ def test_glibc_takes_the_settings():
 
 
 def test_trainer_trims_only_after_a_large_kv_cache(make_cfg, recorded_rollouts, monkeypatch):
-    from agentrl.types import load_jsonl
+    from agentrl.trajectory_files import load_jsonl
     from trainers import policy
 
     trims = []

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 from agentrl.backends.cpu import kernels
 from agentrl.backends.cpu.decode import decode_logits
+from agentrl.completion import SamplingParams
 from agentrl.engine.kv import BatchCache
 from agentrl.engine.transformers_engine import TransformersEngine
-from agentrl.types import SamplingParams
 from tests.engine._models import generate_together, llama_variant, prefill_cache
 
 pytestmark = pytest.mark.skipif(

@@ -67,7 +67,8 @@ def test_concurrent_writers_never_mix(tmp_path):
 def test_concurrent_trajectory_saves_never_mix(tmp_path):
     """save_jsonl wrote every writer's file through one fixed `NAME.tmp`: two writers of one
     path truncated each other's file or renamed it away from under the other."""
-    from agentrl.types import Trajectory, load_jsonl, save_jsonl
+    from agentrl.trajectory_files import load_jsonl, save_jsonl
+    from agentrl.types import Trajectory
 
     path = tmp_path / "rollouts.jsonl"
     batches = [[Trajectory(token_ids=[i] * 50, loss_mask=[0] * 50, logprobs=[0.0] * 50,

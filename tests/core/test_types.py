@@ -3,15 +3,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agentrl.types import (
-    Completion,
-    Image,
-    SamplingParams,
-    Trajectory,
-    TrajectoryBuilder,
-    load_jsonl,
-    save_jsonl,
-)
+from agentrl.completion import Completion, SamplingParams
+from agentrl.trajectory_files import load_jsonl, save_jsonl
+from agentrl.types import Image, Trajectory, TrajectoryBuilder
 
 
 def _trajectory() -> Trajectory:

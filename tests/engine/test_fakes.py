@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
+from agentrl.completion import CompletionDelta, SamplingParams
 from agentrl.engine.base import Engine, PromptTooLongError
 from agentrl.engine.fakes import FakeEngine, StreamingFakeEngine
-from agentrl.types import CompletionDelta, SamplingParams
 
 
 def test_the_streaming_fake_is_an_engine_and_the_plain_one_does_not_stream(tiny_tokenizer):

@@ -9,9 +9,9 @@ import dataclasses
 
 import pytest
 
+from agentrl.completion import SamplingParams
 from agentrl.engine.base import GenerationError
 from agentrl.engine.transformers_engine import TransformersEngine
-from agentrl.types import SamplingParams
 
 GOOD = SamplingParams(temperature=1.0, max_tokens=48, seed=3)
 """Seeded: the same tokens whatever shares the batch, so "alone" and "batched" compare."""

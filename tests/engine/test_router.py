@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
+from agentrl.completion import Completion, SamplingParams
 from agentrl.engine.affinity import conversation
-from agentrl.types import Completion, SamplingParams
 from agentrl.engine.router import EngineRouter, engine_devices
 
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from agentrl.completion import Completion, CompletionDelta, SamplingParams
 from agentrl.engine.transformers_engine import TransformersEngine
-from agentrl.types import Completion, CompletionDelta, SamplingParams
 
 
 @pytest.fixture

@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 import torch
 
+from agentrl.completion import SamplingParams
 from agentrl.engine import PromptTooLongError, create_engine, model_runner
 from agentrl.engine.requests import cut_at_stop
 from agentrl.engine.token_sampling import filter_top_k_top_p
 from agentrl.engine.transformers_engine import TransformersEngine
-from agentrl.types import SamplingParams
 
 from ._models import sharp_tiny_model
 

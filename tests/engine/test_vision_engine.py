@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from agentrl.completion import SamplingParams
 from agentrl.engine.transformers_engine import TransformersEngine
 from agentrl.models import load_model, load_tokenizer
 from agentrl.models.tiny import TINY_QWEN2_VL, TINY_VLMS
 from agentrl.models.vision import ImageError, vision_processor
-from agentrl.types import SamplingParams
 
 
 def _img(seed: int, h: int = 56, w: int = 84) -> np.ndarray:

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from agentrl.completion import SamplingParams, expand_versions
 from agentrl.engine import create_engine
 from agentrl.engine.weight_broadcast import (
     FanOut,
@@ -19,7 +20,6 @@ from agentrl.engine.weight_broadcast import (
     rank_offsets,
     receive_step,
 )
-from agentrl.types import SamplingParams, expand_versions
 
 from . import fake_vllm
 
@@ -315,7 +315,7 @@ async def test_images_go_to_vllm_as_multi_modal_data_with_one_placeholder_each(
         engine.close()
 
 def test_logit_bias_reaches_vllm(engine):
-    from agentrl.types import SamplingParams
+    from agentrl.completion import SamplingParams
 
     vp = engine._to_vllm(SamplingParams(logit_bias=((5, 100.0), (7, -100.0))), None)
     assert vp.logit_bias == {5: 100.0, 7: -100.0}

@@ -19,11 +19,11 @@ import gymnasium as gym
 import pytest
 import torch
 
+from agentrl.completion import CompletionDelta, SamplingParams
 from agentrl.engine import create_engine
 from agentrl.engine.token_sampling import processed_logprobs
 from agentrl.models.tiny import tiny_model
 from agentrl.rollout import collect_sync
-from agentrl.types import CompletionDelta, SamplingParams
 from servers.generation import Accumulator
 
 pytestmark = [

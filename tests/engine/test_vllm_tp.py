@@ -17,9 +17,9 @@ from multiprocessing import resource_tracker
 
 import pytest
 
+from agentrl.completion import SamplingParams
 from agentrl.engine import create_engine, open_engine
 from agentrl.engine.weight_broadcast import WeightBroadcaster, receive_step
-from agentrl.types import SamplingParams
 from servers.generation import Accumulator
 
 from .test_vllm_real import (

@@ -37,11 +37,11 @@ def test_every_patch_reads_the_red_squares_position(parts):
 
 @pytest.mark.slow
 def test_the_built_model_solves_held_out_screens(tmp_path):
+    from agentrl.completion import SamplingParams
     from agentrl.engine.transformers_engine import TransformersEngine
     from agentrl.envs.chat import ChatTokenEnv
     from agentrl.models import load_model, load_tokenizer
     from agentrl.rollout.evaluate import evaluate
-    from agentrl.types import SamplingParams
 
     path = tmp_path / "embedded-vlm"
     ev.build(path)

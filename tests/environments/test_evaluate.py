@@ -12,8 +12,9 @@ from math import comb
 import gymnasium as gym
 import pytest
 
+from agentrl.completion import Completion, SamplingParams
 from agentrl.rollout.evaluate import EvalArgs, env_kwargs_for, evaluate, pass_at_k, score
-from agentrl.types import Completion, SamplingParams, Trajectory, Turn
+from agentrl.types import Trajectory, Turn
 from environments.math_tir.data import generate_problems
 
 

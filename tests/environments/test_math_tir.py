@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 
+from agentrl.completion import SamplingParams
 from agentrl.engine.fakes import FakeEngine
 from agentrl.envs import ChatTokenEnv
 from agentrl.rollout import collect_sync
-from agentrl.types import SamplingParams
 from environments.math_tir.env import MathEnv, MathTIREnv
 
 from ._helpers import act, code, decode, tool_call

@@ -15,7 +15,7 @@ __all__ = ["make_cfg", "recorded_rollouts"]
 
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
 def test_a_cuda_step_changes_the_weights_on_the_gpu(make_cfg, recorded_rollouts, mixed_precision):
-    from agentrl.types import load_jsonl
+    from agentrl.trajectory_files import load_jsonl
     from trainers.policy import PolicyWorker
 
     cfg = make_cfg(actor={"device": "cuda", "mixed_precision": mixed_precision})
@@ -31,7 +31,7 @@ def test_a_cuda_step_changes_the_weights_on_the_gpu(make_cfg, recorded_rollouts,
 
 def test_cuda_matches_cpu_on_one_update(make_cfg, recorded_rollouts):
     """float32 on both: the update agrees up to the devices' float32 round-off."""
-    from agentrl.types import load_jsonl
+    from agentrl.trajectory_files import load_jsonl
     from trainers.policy import PolicyWorker
 
     trajs = load_jsonl(recorded_rollouts)[:16]
@@ -69,7 +69,7 @@ def test_a_qlora_step_on_the_gpu_trains_adapters_whose_merge_is_the_model(make_c
     only the adapters, and the merged weights an engine would load compute what the 4-bit
     model computes (the same path the CPU tests run, on bitsandbytes' CUDA kernels)."""
     from agentrl.models import load_model
-    from agentrl.types import load_jsonl
+    from agentrl.trajectory_files import load_jsonl
     from trainers.policy import PolicyWorker
 
     cfg = make_cfg(actor={"device": "cuda", "mixed_precision": mixed_precision, "lora_rank": 4,

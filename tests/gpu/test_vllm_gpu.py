@@ -53,10 +53,10 @@ def _reference_logprobs(model, prompt, completion) -> list[float]:
 async def test_nccl_broadcast_into_vllm_on_another_gpu(cuda_vllm, tiny_tokenizer, tmp_path):
     """This process is the trainer on GPU 0; vLLM's engine and worker run on GPU 1."""
     _two_gpus()
+    from agentrl.completion import SamplingParams
     from agentrl.engine import create_engine
     from agentrl.engine.weight_broadcast import WeightBroadcaster, receive_step
     from agentrl.models.tiny import tiny_model
-    from agentrl.types import SamplingParams
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.cuda.set_device(0)  # CUDA starts here before the engine's processes see GPU 1 only

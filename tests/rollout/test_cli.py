@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agentrl.cli import main
-from agentrl.types import load_jsonl
+from agentrl.trajectory_files import load_jsonl
 
 
 def test_rollout_cli_writes_jsonl(tmp_path, capsys):

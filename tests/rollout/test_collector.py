@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import agentrl  # noqa: F401 - registers the toy env ids
+from agentrl.completion import SamplingParams
 from agentrl.engine.fakes import FakeEngine
 from agentrl.envs import ChatEnv, ChatTokenEnv
 from agentrl.rollout import collect, collect_sync
-from agentrl.types import SamplingParams
 
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=8, seed=0)
 

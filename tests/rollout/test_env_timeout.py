@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from agentrl.completion import Completion, SamplingParams
 from agentrl.envs import ChatEnv, ChatTokenEnv
 from agentrl.rollout import collect
 from agentrl.rollout.env_calls import abandoned_threads
-from agentrl.types import Completion, SamplingParams
 from environments.toy.digits import DigitsEnv
 
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=8, seed=0)
@@ -150,7 +150,7 @@ def test_a_training_step_goes_on_without_the_hung_episode(tmp_path):
     rows = [json.loads(x) for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
     [step] = [r for r in rows if "reward" in r]
     assert step["discarded"] == 1.0
-    from agentrl.types import load_jsonl
+    from agentrl.trajectory_files import load_jsonl
 
     [hung] = [t for t in load_jsonl(Path(cfg.run_dir) / "rollouts" / "step_000001.jsonl")
               if t.discard]

@@ -125,7 +125,7 @@ def test_training_through_the_service_discards_what_it_cannot_score(service, tmp
     steps = [m for m in metrics if "reward" in m]
     assert [m["step"] for m in steps] == [1, 2]
     assert sum(m["discarded"] for m in steps) > 0  # the "boom" rows: counted, not trained on
-    from agentrl.types import load_jsonl
+    from agentrl.trajectory_files import load_jsonl
 
     trajs = load_jsonl(run / "rollouts" / "step_000001.jsonl")
     assert trajs and all(t.discard == ("cannot score this one" in t.info.get("error", ""))

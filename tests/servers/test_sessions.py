@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agentrl.types import Completion, Image
+from agentrl.completion import Completion
+from agentrl.types import Image
 from servers.sessions import CallRecord, Session
 
 

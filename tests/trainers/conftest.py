@@ -63,7 +63,7 @@ def recorded_rollouts(tmp_path_factory):
     from agentrl.backends.cpu import kernels
     from agentrl.engine import create_engine
     from agentrl.models import load_model, load_tokenizer
-    from agentrl.types import save_jsonl
+    from agentrl.trajectory_files import save_jsonl
     from trainers.episodes import collect_for_step
 
     cfg = tiny_cfg(tmp_path_factory.mktemp("rec"))

@@ -65,7 +65,7 @@ def test_kernels_on_and_off_give_the_same_update(make_cfg, recorded_rollouts, mo
       |g| is near round-off the two may move apart, by at most 2 lr: at most 0.1% of the weights
       differ by more than 1e-6 (0.008%, at most 2.9e-6).
     """
-    from agentrl.types import load_jsonl
+    from agentrl.trajectory_files import load_jsonl
 
     if kernels.module() is None:
         pytest.skip(f"agentrl's CPU kernels could not be built here: {kernels.build_error}")

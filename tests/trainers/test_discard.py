@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from agentrl.types import load_jsonl, save_jsonl
+from agentrl.trajectory_files import load_jsonl, save_jsonl
 from trainers.controller import Trainer
 from trainers.workers import TrainingError
 

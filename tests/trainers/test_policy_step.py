@@ -21,7 +21,7 @@ def test_forward_values_and_gradients_match_a_plain_forward(
     against one plain forward per row with autograd's log-softmax, softmax entropy and
     embedding gradient."""
     from agentrl.models import load_model
-    from agentrl.types import load_jsonl
+    from agentrl.trajectory_files import load_jsonl
     from trainers.batch import collate
     from trainers.policy import PolicyWorker
 

@@ -35,7 +35,7 @@ def test_placed_async_mode_syncs_weights_to_a_separate_actor(ray_cluster, make_c
     assert lags[0] == 0 and max(lags) <= 1 and max(lags) == 1
     # Partial rollout: a batch still being sampled when an update lands goes on with the new
     # weights, so a turn may hold two versions; never one older than the lag allows.
-    from agentrl.types import load_jsonl
+    from agentrl.trajectory_files import load_jsonl
 
     for k in range(1, 5):
         for t in load_jsonl(Path(cfg.run_dir) / "rollouts" / f"step_{k:06d}.jsonl"):
@@ -60,7 +60,7 @@ def test_a_killed_engine_actor_is_restarted_and_the_run_goes_on(ray_cluster, mak
 
     import ray
 
-    from agentrl.types import load_jsonl
+    from agentrl.trajectory_files import load_jsonl
 
     cfg = make_cfg(use_ray=True, steps=6, rollout={"mode": "placed", "num_engines": 2})
     trainer = Trainer(cfg)
@@ -145,7 +145,8 @@ def test_two_ranks_match_one_process(ray_cluster, make_cfg, recorded_rollouts, t
     import torch
     from transformers import AutoModelForCausalLM
 
-    from agentrl.types import dense_group_ids, load_jsonl
+    from agentrl.trajectory_files import load_jsonl
+    from agentrl.types import dense_group_ids
     from trainers.policy import PolicyWorker
 
     trajs = load_jsonl(recorded_rollouts)
@@ -215,7 +216,8 @@ def test_two_lora_ranks_match_one_process_and_sync_merged_weights(
     from safetensors.torch import load_file
 
     from agentrl.models import load_model
-    from agentrl.types import dense_group_ids, load_jsonl
+    from agentrl.trajectory_files import load_jsonl
+    from agentrl.types import dense_group_ids
     from trainers.policy import PolicyWorker
 
     trajs = load_jsonl(recorded_rollouts)

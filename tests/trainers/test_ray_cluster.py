@@ -59,7 +59,7 @@ def test_a_placed_run_spreads_over_the_nodes_of_a_joined_cluster(two_node_cluste
     assert [r["step"] for r in rows if "reward" in r] == [1, 2, 3]
     # Each step's episodes were sampled on the other node with the weights of the step before:
     # the sync crossed nodes every step.
-    from agentrl.types import load_jsonl
+    from agentrl.trajectory_files import load_jsonl
 
     versions = [{v for t in load_jsonl(Path(cfg.run_dir) / "rollouts" / f"step_{s:06d}.jsonl")
                  for v in t.policy_versions} for s in (1, 2, 3)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agentrl.types import load_jsonl
+from agentrl.trajectory_files import load_jsonl
 from trainers.controller import Trainer
 
 

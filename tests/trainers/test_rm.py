@@ -55,7 +55,7 @@ def test_a_reward_model_scores_single_turn_rl_in_its_own_actor_and_starts_the_cr
     """#18 item 2: `--reward.model DIR` scores the episodes (in a Ray actor, in batches) and
     `--algo.critic_init DIR` starts PPO's critic from the same reward model."""
     from agentrl.rewards.model import RewardModelScorer
-    from agentrl.types import load_jsonl
+    from agentrl.trajectory_files import load_jsonl
     from trainers.cli import main as train
 
     summary = run_rm(_cfg(tmp_path, max_steps=3))

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from agentrl.cli import main
-from agentrl.types import TrajectoryBuilder, save_jsonl
+from agentrl.trajectory_files import save_jsonl
+from agentrl.types import TrajectoryBuilder
 from trainers.sft import SFTConfig, SFTTrainer, chat_trajectory, load_sft_data, run_sft
 
 WORDS = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "rocket"]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from agentrl.types import load_jsonl
+from agentrl.trajectory_files import load_jsonl
 from trainers.cli import build_config, main
 
 ROWS = [{"question": f"What is {a}+{b}? Answer with a number.", "answer": str(a + b)}

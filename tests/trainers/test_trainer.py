@@ -58,7 +58,7 @@ def test_one_step_changes_parameters_and_loss_is_finite(make_cfg, recorded_rollo
     cfg = make_cfg(replay=str(recorded_rollouts), steps=1)
     worker = PolicyWorker(cfg, with_engine=False)
     before = {k: v.clone() for k, v in worker.model.state_dict().items()}
-    from agentrl.types import load_jsonl
+    from agentrl.trajectory_files import load_jsonl
 
     metrics = worker.train(load_jsonl(recorded_rollouts)[:32], 0.0)
     assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
@@ -68,7 +68,7 @@ def test_one_step_changes_parameters_and_loss_is_finite(make_cfg, recorded_rollo
 
 @pytest.mark.usefixtures("cpu_kernels")
 def test_micro_batching_does_not_change_the_update(make_cfg, recorded_rollouts):
-    from agentrl.types import load_jsonl
+    from agentrl.trajectory_files import load_jsonl
     from trainers.policy import PolicyWorker
 
     trajs = load_jsonl(recorded_rollouts)[:32]
@@ -206,7 +206,7 @@ LAYOUTS = {  # how a micro-batch reaches the model
 
 @pytest.mark.usefixtures("cpu_kernels")
 def test_packing_and_prefix_sharing_give_the_same_update_as_padding(make_cfg, recorded_rollouts):
-    from agentrl.types import load_jsonl
+    from agentrl.trajectory_files import load_jsonl
     from trainers.policy import PolicyWorker
 
     trajs = load_jsonl(recorded_rollouts)[:32]
@@ -238,7 +238,7 @@ def test_packing_and_prefix_sharing_give_the_same_update_as_padding(make_cfg, re
 @pytest.mark.usefixtures("cpu_kernels")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_forward_matches_a_plain_forward_at_policy_tokens(make_cfg, recorded_rollouts, layout):
-    from agentrl.types import load_jsonl
+    from agentrl.trajectory_files import load_jsonl
     from trainers.batch import collate
     from trainers.policy import PolicyWorker
 
@@ -262,7 +262,7 @@ def test_forward_matches_a_plain_forward_at_policy_tokens(make_cfg, recorded_rol
 
 @pytest.mark.usefixtures("cpu_kernels")
 def test_bf16_mixed_precision_computes_in_bf16_over_float32_weights(make_cfg, recorded_rollouts):
-    from agentrl.types import load_jsonl
+    from agentrl.trajectory_files import load_jsonl
     from trainers.batch import collate
     from trainers.policy import PolicyWorker
 

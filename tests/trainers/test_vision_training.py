@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from agentrl import ChatEnv, ChatTokenEnv
+from agentrl.completion import SamplingParams
 from agentrl.engine.transformers_engine import TransformersEngine
 from agentrl.models.tiny import TINY_VLMS
 from agentrl.rollout import collect_sync
-from agentrl.types import SamplingParams, Trajectory
+from agentrl.types import Trajectory
 
 from ._logprobs import sampled_logprob_gap
 
