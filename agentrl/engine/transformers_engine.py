@@ -39,6 +39,7 @@ from agentrl.engine.requests import Request, Sample, check_request, empty_comple
 from agentrl.engine.scheduler import Scheduler
 from agentrl.engine.token_sampling import Drawn, Sampler, model_eos_ids
 from agentrl.models.vision import VisionProcessor, is_vision_config, vision_processor
+from agentrl.seeding import derive_seed
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -344,7 +345,7 @@ class TransformersEngine:
         for j in range(req.params.n):
             gen = None
             if req.params.seed is not None:
-                gen = torch.Generator().manual_seed(hash((req.params.seed, j)) & (2**63 - 1))
+                gen = torch.Generator().manual_seed(derive_seed(req.params.seed, j))
             matcher = None if req.grammar is None else self.grammars.matcher(req.grammar)
             samples.append(Sample(req, j, gen, limit, self._version, length=len(req.prompt),
                                   matcher=matcher))
