@@ -19,10 +19,12 @@ def _cfg(tmp_path, **kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kw", [{}, {"loss": "logexp"}, {"margin_key": "margin"}],
+# A margin of 1 between unseen replies is the harder target: after 4 epochs its held-out
+# accuracy ranged 0.42-0.83 over seeds 0-3, after 10 epochs 0.79-0.96.
+@pytest.mark.parametrize("kw", [{}, {"loss": "logexp"}, {"margin_key": "margin", "epochs": 10}],
                          ids=["sigmoid", "logexp", "margin"])
 def test_held_out_pairwise_accuracy_rises_and_the_model_loads_back(tmp_path, kw):
-    summary = run_rm(_cfg(tmp_path, epochs=4, **kw))
+    summary = run_rm(_cfg(tmp_path, **{"epochs": 4, **kw}))
     assert summary["eval_before"]["eval/reward/accuracy"] == 0.5  # a zero head: every pair ties
     assert summary["eval_after"]["eval/reward/accuracy"] >= 0.7
     if "margin_key" not in kw:  # a margin of 1 between unseen replies is the harder target
