@@ -78,6 +78,19 @@ def make_proxy(tok, stopping_proxies) -> Iterator[Callable[..., Proxy]]:
 
 
 @pytest.fixture
+def real_proxy(make_proxy, tok):
+    """The proxy on the real transformers engine over a tiny model with sharp distributions."""
+    from agentrl.engine.transformers_engine import TransformersEngine
+    from tests.engine._models import sharp_tiny_model
+
+    engine = TransformersEngine(sharp_tiny_model(tok), tok, max_batch_size=4)
+    try:
+        yield make_proxy(engine)
+    finally:
+        engine.close()
+
+
+@pytest.fixture
 def proxy(make_proxy) -> Proxy:
     return make_proxy()
 

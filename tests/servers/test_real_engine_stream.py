@@ -5,19 +5,8 @@ from __future__ import annotations
 import pytest
 
 from agentrl.engine.base import Engine
-from agentrl.engine.transformers_engine import TransformersEngine
-from tests.engine._models import sharp_tiny_model
 
 MSGS = [{"role": "user", "content": "What is 6 * 7?"}]
-
-
-@pytest.fixture
-def real_proxy(make_proxy, tok):
-    engine = TransformersEngine(sharp_tiny_model(tok), tok, max_batch_size=4)
-    try:
-        yield make_proxy(engine)
-    finally:
-        engine.close()
 
 
 def test_streamed_greedy_equals_non_streamed(real_proxy):

@@ -11,9 +11,6 @@ import json
 import httpx
 import pytest
 
-from agentrl.engine.transformers_engine import TransformersEngine
-from tests.engine._models import sharp_tiny_model
-
 MSGS = [{"role": "user", "content": "What is 6 * 7?"}]
 CHAT = {"model": "agentrl", "messages": MSGS}
 COMPLETION = {"model": "agentrl", "prompt": "What is 6 * 7?"}
@@ -67,15 +64,6 @@ def test_a_sampling_number_out_of_its_range_is_a_400_naming_field_and_range(
     path, body = ROUTES[where]
     r = _post(f"{proxy.url}/sessions/s{path}", {**body, field: value})
     _refused(proxy, r, field, f"'{field}'", bounds)
-
-
-@pytest.fixture
-def real_proxy(make_proxy, tok):
-    engine = TransformersEngine(sharp_tiny_model(tok), tok, max_batch_size=4)
-    try:
-        yield make_proxy(engine)
-    finally:
-        engine.close()
 
 
 def test_one_sessions_bad_top_k_never_fails_another_sessions_request(real_proxy):
