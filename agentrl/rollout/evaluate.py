@@ -323,10 +323,12 @@ def _data_flags_as_env_kwargs(argv: list[str]) -> list[str]:
         return out
     logger.warning("agentrl eval: --data.* flags are now env arguments: pass --env_kwargs '%s' "
                 "(the old spelling goes away in the next release)", json.dumps(moved))
-    if "--env_kwargs" in out:
-        i = out.index("--env_kwargs")
-        if i + 1 < len(out):
+    for i, a in enumerate(out):  # merged into the --env_kwargs given, either spelling
+        if a == "--env_kwargs" and i + 1 < len(out):
             out[i + 1] = json.dumps({**moved, **json.loads(out[i + 1])})
+            return out
+        if a.startswith("--env_kwargs="):
+            out[i] = "--env_kwargs=" + json.dumps({**moved, **json.loads(a.partition("=")[2])})
             return out
     return [*out, "--env_kwargs", json.dumps(moved)]
 

@@ -158,6 +158,8 @@ def test_the_former_data_flags_become_env_kwargs(caplog):
 
     argv = _data_flags_as_env_kwargs(["--data.tasks", "gsm_symbolic", "--data.difficulty=easy",
                                       "--env_kwargs", '{"max_turns": 2}', "-k", "2"])
-    assert argv[:2] == ["--env_kwargs", '{"tasks": "gsm_symbolic", "difficulty": "easy", '
-                                        '"max_turns": 2}'] and argv[2:] == ["-k", "2"]
+    merged = '{"tasks": "gsm_symbolic", "difficulty": "easy", "max_turns": 2}'
+    assert argv == ["--env_kwargs", merged, "-k", "2"]
     assert "pass --env_kwargs '{\"tasks\": \"gsm_symbolic\"" in caplog.text
+    assert _data_flags_as_env_kwargs(["--env_kwargs={\"max_turns\": 2}", "--data.tasks", "x"]) == [
+        '--env_kwargs={"tasks": "x", "max_turns": 2}']
