@@ -3,7 +3,7 @@ config, and trainer rank 0's end of the broadcast sync.
 
 - colocated (any device) -> `in_process`: the policy actor's own engine; the transformers engine
   samples from the trained module (a version bump), vLLM loads the weights through its own RPC
-  (agentrl/engine/vllm.py).
+  (agentrl/engine/vllm_updates.py).
 - placed, on CPUs (or the transformers engine, or no Ray) -> `rpc`: buckets of tensors through
   Ray into `RolloutWorker.update_weights`.
 - placed, vLLM on GPUs under Ray -> `nccl`: trainer rank 0 broadcasts each tensor straight into

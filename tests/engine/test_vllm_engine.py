@@ -316,7 +316,8 @@ async def test_images_go_to_vllm_as_multi_modal_data_with_one_placeholder_each(
 
 def test_logit_bias_reaches_vllm(engine):
     from agentrl.completion import SamplingParams
+    from agentrl.engine.vllm_convert import to_vllm_params
 
-    vp = engine._to_vllm(SamplingParams(logit_bias=((5, 100.0), (7, -100.0))), None)
+    vp = to_vllm_params(SamplingParams(logit_bias=((5, 100.0), (7, -100.0))), None)
     assert vp.logit_bias == {5: 100.0, 7: -100.0}
-    assert engine._to_vllm(SamplingParams(), None).logit_bias is None
+    assert to_vllm_params(SamplingParams(), None).logit_bias is None

@@ -29,27 +29,9 @@ What it uses of vLLM:
 - Logprobs: the engine argument `logprobs_mode` picks "processed_logprobs" (after temperature,
   top-k/top-p: our default) or "raw_logprobs"; it is fixed per engine, so a request asking for
   the other kind is refused rather than silently answered with the wrong one.
-- Weights: vLLM's own in-place reload, driven in the workers through `collective_rpc`
-  (agentrl/engine/vllm_weights.py).
-- Partial rollout: an update does not wait for running requests. Generation is paused with
-  `pause_generation(mode="keep", clear_cache=True)`: the scheduler stops between two steps and
-  preempts every running request, dropping its KV cache; after the update `resume_generation()`
-  re-encodes each one's prompt and tokens so far with the new weights (vLLM's recompute
-  preemption) and sampling goes on. vLLM labels every step's outputs with the engine's weight
-  version (`update_weight_version`, set to agentrl's version at start and at every update) and
-  a finished `CompletionOutput.weight_versions` holds the spans of tokens each version
-  sampled; a streamed delta reads the same spans as vLLM's output processor records them
-  (`RequestState.weight_version_starts`), so every token carries the version that sampled it
-  and that version's log-prob (`Completion.version_changes`).
-- Broadcast weights (`weight_transfer="nccl"` on GPUs, "gloo" on CPUs): vLLM's own
-  weight-transfer API, `weight_transfer_config` and `AsyncLLM.init_weight_transfer_engine` /
-  `start_weight_update` / `update_weights` / `finish_weight_update`; a trainer's rank 0 sends
-  each tensor straight into the workers (agentrl/engine/weight_broadcast.py). NCCL needs CUDA:
-  it is tested here against a fake copied from vLLM's source, its gloo twin for real.
-- Sleep: vLLM's sleep mode (weights offloaded, KV cache freed) exists on CUDA only and must be
-  asked for at start (`enable_sleep=True`). Without it `sleep()` pauses generation (running
-  requests end with "abort", the prefix cache is dropped, new requests wait for `wake()`) and
-  frees nothing: vLLM allocates its KV cache once, at start.
+- Weight updates (in-place reload and vLLM's broadcast API), partial rollout and sleep:
+  agentrl/engine/vllm_updates.py. Parameters in and outputs out, with the weight version of
+  every token: agentrl/engine/vllm_convert.py.
 - On CPU vLLM reads `gpu_memory_utilization` as a fraction of the host's memory and refuses to
   start when that much is not free (the default 0.92 always fails beside a trainer), so the KV
   cache gets a fixed size instead (`kv_cache_bytes`); the model runs in float32 without
@@ -73,19 +55,21 @@ import multiprocessing
 import os
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from agentrl.completion import (
-    Completion,
-    CompletionDelta,
-    SamplingParams,
-    expand_versions,
-    shift_version_changes,
-)
-from agentrl.engine.base import NamedTensors
+from agentrl.completion import Completion, CompletionDelta, SamplingParams
 from agentrl.engine.requests import check_request
-from agentrl.engine.vllm_weights import WORKER_EXTENSION, buckets, with_tied_head
+from agentrl.engine.vllm_convert import (
+    StreamLabels,
+    greedy_copies,
+    to_completion,
+    to_delta,
+    to_vllm_params,
+    version_spans,
+)
+from agentrl.engine.vllm_updates import VLLMWeightUpdates
+from agentrl.engine.vllm_weights import WORKER_EXTENSION
 from agentrl.engine.weight_broadcast import BACKENDS
 from agentrl.models.vision import VisionProcessor, vision_processor_for
 
@@ -105,7 +89,7 @@ CPU_KV_CACHE_BYTES = 1 << 30
 CPU_DEFAULTS = {"dtype": "float32", "enforce_eager": True, "enable_chunked_prefill": False}
 
 
-class VLLMEngine:
+class VLLMEngine(VLLMWeightUpdates):
     """Engine over vLLM 0.32's AsyncLLM (see the module docstring).
 
     Args:
@@ -164,7 +148,7 @@ class VLLMEngine:
         self._version = int(version)
         self._sleep_mode = enable_sleep
         self._asleep = False
-        self._transfer: bool | None = None  # a broadcast update runs: whether it paused generation
+        self._transfer = None
         self.bucket_bytes = bucket_bytes
         args: dict[str, Any] = {
             "model": str(model_dir(model)),
@@ -306,19 +290,19 @@ class VLLMEngine:
 
         version = self._version
         finished = [False] * params.n
-        labels = _Labels(self.llm.output_processor, rid, version)
+        labels = StreamLabels(self.llm.output_processor, rid, version)
         try:
             async for out in self.llm.generate(
                 prompt=self._prompt(prompt, images),
-                sampling_params=self._to_vllm(params, RequestOutputKind.DELTA),
+                sampling_params=to_vllm_params(params, RequestOutputKind.DELTA),
                 request_id=rid,
             ):
                 deltas = [
-                    _delta(o, params, labels.of_delta(o))
+                    to_delta(o, params, labels.of_delta(o))
                     for o in sorted(out.outputs, key=lambda o: o.index)
                     if o.token_ids or o.finish_reason is not None
                 ]
-                if _greedy_copies(params):
+                if greedy_copies(params):
                     deltas = [
                         dataclasses.replace(d, index=i) for d in deltas for i in range(params.n)
                     ]
@@ -355,7 +339,7 @@ class VLLMEngine:
         final = None
         async for out in self.llm.generate(
             prompt=self._prompt(prompt, images),
-            sampling_params=self._to_vllm(params, RequestOutputKind.FINAL_ONLY),
+            sampling_params=to_vllm_params(params, RequestOutputKind.FINAL_ONLY),
             request_id=rid,
         ):
             final = out
@@ -367,10 +351,10 @@ class VLLMEngine:
                 for _ in range(params.n)
             ]
         outs = [
-            _completion(o, params, _spans(o.weight_versions, len(o.token_ids), version))
+            to_completion(o, params, version_spans(o.weight_versions, len(o.token_ids), version))
             for o in sorted(final.outputs, key=lambda o: o.index)
         ]
-        if _greedy_copies(params):
+        if greedy_copies(params):
             outs += [copy.deepcopy(outs[0]) for _ in range(params.n - 1)]
         return outs
 
@@ -389,184 +373,9 @@ class VLLMEngine:
         ids = self._vision.collapse(prompt, images)
         return TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": list(images)})
 
-    def _to_vllm(self, params: SamplingParams, output_kind: Any) -> Any:
-        from vllm import SamplingParams as VSamplingParams
-        from vllm.sampling_params import StructuredOutputsParams
-
-        want = max(params.top_logprobs, 0)
-        return VSamplingParams(
-            n=1 if _greedy_copies(params) else params.n,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=max(params.top_k, 0),
-            max_tokens=params.max_tokens,
-            stop=list(params.stop) or None,
-            stop_token_ids=list(params.stop_token_ids) or None,
-            seed=params.seed,
-            logprobs=want if params.logprobs or want else None,
-            logit_bias=dict(params.logit_bias) or None,
-            # vLLM's xgrammar backend masks the logits before its sampler, as ours does.
-            structured_outputs=None if params.grammar is None
-            else StructuredOutputsParams(grammar=params.grammar),
-            output_kind=output_kind,
-        )
-
     def abort(self, request_id: str) -> bool:
         asyncio.run_coroutine_threadsafe(self.llm.abort(request_id), self._loop)
         return True
-
-    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
-        """Load the tensors (Hugging Face names, as `state_dict()` gives them) into every worker
-        and switch to `version`. Running requests are paused where they are and go on with the
-        new weights (partial rollout: see the module docstring).
-
-        The tensors are read and packed in the calling thread (a trainer's gathering iterator
-        runs where it was made), one bucket of at most `bucket_bytes` per RPC. After a failure
-        the engine may hold a mix of old and new weights: update again.
-        """
-        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        paused = self._hold()
-        try:
-            self._rpc("agentrl_start_update")
-            try:
-                for bucket in buckets(with_tied_head(items, self._tied), self.bucket_bytes):
-                    self._rpc("agentrl_load_weights", bucket)
-            finally:
-                # After a failed load too: finishing puts back the layers that were not loaded.
-                self._rpc("agentrl_finish_update")
-            self._call(self.llm.reset_prefix_cache())  # no cached KV from the old weights
-            # Tokens of the steps after the update are labelled with it (_spans, _Labels).
-            self._call(self.llm.update_weight_version(str(int(version))))
-            self._version = int(version)
-        finally:
-            self._release(paused)
-
-    pause_mode = "keep"
-    """What a weight update does with running requests (vLLM's pause mode): "keep" stops them
-    between two steps to go on with the new weights (partial rollout); "wait", the behaviour
-    before partial rollout (benchmarks/partial_rollout.py's baseline), lets them finish on the
-    old weights first, so the update waits for the longest."""
-
-    def _hold(self) -> bool:
-        """Stop sampling for a weight update: running requests stop between two steps, their
-        KV cache dropped, to go on with the new weights; new ones wait. Asleep, generation is
-        paused already (sleep mode: wake the weights, the KV cache stays freed). Returns
-        whether it paused generation (to resume after)."""
-        if not self._asleep:
-            self._call(self.llm.pause_generation(mode=self.pause_mode, clear_cache=True))
-            return True
-        if self._sleep_mode:
-            self._call(self.llm.wake_up(tags=["weights"]))
-        return False
-
-    def _rpc(self, method: str, *args: Any) -> None:
-        self._call(self.llm.collective_rpc(method, args=args))
-
-    # A broadcast update, as agentrl.engine.weight_broadcast.WeightBroadcaster drives it: the
-    # steps of vLLM's weight-transfer API (vllm/v1/engine/async_llm.py), each in every worker.
-    def init_weight_transfer(self, init_info: Mapping[str, Any]) -> None:
-        """Join the trainer's weight group (`AsyncLLM.init_weight_transfer_engine`); returns
-        once the trainer has opened its end. `init_info`: the fields of vLLM's
-        `NCCLWeightTransferInitInfo` (master_address, master_port, rank_offset, world_size,
-        packed)."""
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        self._need_transfer()
-        request = WeightTransferInitRequest(init_info=dict(init_info))
-        self._call(self.llm.init_weight_transfer_engine(request))
-
-    def start_weight_transfer(self) -> None:
-        """Stop sampling (as `update_weights` does), then `AsyncLLM.start_weight_update`."""
-        self._need_transfer()
-        if self._transfer is not None:
-            raise RuntimeError("a weight transfer is running already: finish it first")
-        paused = self._hold()
-        try:
-            self._call(self.llm.start_weight_update())
-        except BaseException:
-            self._release(paused)
-            raise
-        self._transfer = paused
-
-    def receive_weights(self, update_info: Mapping[str, Any]) -> None:
-        """Receive and load the tensors `update_info` lists (`NCCLWeightTransferUpdateInfo`:
-        names, dtype_names, shapes) as the trainer broadcasts them (`AsyncLLM.update_weights`).
-
-        On a failure vLLM's workers drop the update without finishing its layerwise reload;
-        this finishes it (the layers not loaded get their weights back) and resumes sampling
-        on the weights as they are: update again.
-        """
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        if self._transfer is None:
-            raise RuntimeError("receive_weights needs start_weight_transfer first")
-        request = WeightTransferUpdateRequest(update_info=dict(update_info))
-        try:
-            self._call(self.llm.update_weights(request))
-        except BaseException:
-            paused, self._transfer = self._transfer, None
-            try:
-                self._rpc("agentrl_finish_update")
-            finally:
-                self._release(paused)
-            raise
-
-    def finish_weight_transfer(self, version: int) -> None:
-        """`AsyncLLM.finish_weight_update` (vLLM's weight version too, which labels the tokens
-        sampled from now on), drop the prefix cache of the old weights, switch to `version` and
-        resume sampling."""
-        if self._transfer is None:
-            raise RuntimeError("finish_weight_transfer needs start_weight_transfer first")
-        paused, self._transfer = self._transfer, None
-        try:
-            self._call(self.llm.finish_weight_update(weight_version=str(version)))
-            self._call(self.llm.reset_prefix_cache())
-            self._version = int(version)
-        finally:
-            self._release(paused)
-
-    def cancel_weight_transfer(self) -> None:
-        """Give up a started broadcast update (another engine of its group could not start):
-        vLLM's `finish_weight_update` with no version ends its layerwise reload with the layers
-        as they were, then sampling resumes; the version stays."""
-        if self._transfer is None:
-            return
-        paused, self._transfer = self._transfer, None
-        try:
-            self._call(self.llm.finish_weight_update())
-        finally:
-            self._release(paused)
-
-    def _release(self, paused: bool) -> None:
-        if paused:
-            self._call(self.llm.resume_generation())
-
-    def _need_transfer(self) -> None:
-        if self.llm.vllm_config.weight_transfer_config is None:
-            raise ValueError(
-                "this vLLM engine takes no broadcast weight updates: create it with "
-                "weight_transfer='nccl' (GPUs) or 'gloo' (CPUs)"
-            )
-
-    def sleep(self) -> None:
-        """Abort running requests; new ones wait for `wake()`. With `enable_sleep` (CUDA) the
-        weights also move to host memory and the KV cache is freed (vLLM sleep level 1)."""
-        if self._asleep:
-            return
-        if self._sleep_mode:
-            self._call(self.llm.sleep(level=1))
-        else:
-            self._call(self.llm.pause_generation(mode="abort", clear_cache=True))
-        self._asleep = True
-
-    def wake(self) -> None:
-        if not self._asleep:
-            return
-        if self._sleep_mode:
-            self._call(self.llm.wake_up())
-        else:
-            self._call(self.llm.resume_generation())
-        self._asleep = False
 
     def close(self) -> None:
         """Stop vLLM's processes; requests still running end with an error."""
@@ -588,7 +397,7 @@ class VLLMEngine:
         self._thread.join(timeout=30)
         self._loop.close()
 
-    def _call(self, coro: Any) -> Any:
+    def _call(self, coro: Coroutine[Any, Any, Any]) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
 
@@ -625,130 +434,8 @@ def _check_weight_transfer(backend: str | None, cpu: bool) -> None:
                          "CPU use weight_transfer='gloo'")
 
 
-def _greedy_copies(params: SamplingParams) -> bool:
-    """vLLM refuses n > 1 with greedy sampling; its n completions would be equal, so the engine
-    asks for one and copies it (as the transformers engine returns n equal rows)."""
-    return params.temperature == 0 and params.n > 1
-
-
 async def _cancel_tasks() -> None:
     tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _tokens(out: Any, params: SamplingParams) -> tuple[list[int], list[float] | None, Any]:
-    """Token ids, their logprobs (if asked for) and top logprobs (if asked for) of an output."""
-    ids = [int(t) for t in out.token_ids]
-    lps = top = None
-    if out.logprobs is not None:
-        lps = [float(d[t].logprob) for t, d in zip(ids, out.logprobs, strict=True)]
-        if params.top_logprobs:
-            top = [
-                sorted(((int(k), float(v.logprob)) for k, v in d.items()), key=lambda kv: -kv[1])[
-                    : params.top_logprobs
-                ]
-                for d in out.logprobs
-            ]
-    return ids, lps if params.logprobs else None, top
-
-
-def _finish(out: Any) -> Any:
-    if out.finish_reason is None:
-        return None
-    return out.finish_reason if out.finish_reason in ("stop", "length", "abort") else "abort"
-
-
-Versions = tuple[int, list[tuple[int, int]]]
-"""The version of a completion's first token and its changes, as `Completion` holds them."""
-
-
-def _spans(spans: Sequence[Any] | None, n: int, default: int) -> Versions:
-    """vLLM's `WeightVersionSpan`s of a finished output (token ranges each weight version
-    sampled) as agentrl's first version and changes; `default` where vLLM has no labels."""
-    return _versions([(s.version, s.start) for s in spans or ()], n, default)
-
-
-def _versions(starts: Sequence[tuple[str, int]], n: int, default: int) -> Versions:
-    """(label, first token index) pairs, in order, as (first version, changes) over n tokens.
-    Labels are agentrl's versions as strings (`update_weight_version`); a label that is not
-    (another client's) leaves the tokens with the version before it."""
-    first, changes = default, list[tuple[int, int]]()
-    for label, start in starts:
-        try:
-            v = int(label)
-        except ValueError:
-            continue
-        if start <= 0:
-            first, changes = v, []
-        elif start < n and v != (changes[-1][1] if changes else first):
-            changes.append((start, v))
-    return first, changes
-
-
-class _Labels:
-    """Per-token versions of a streamed request's choices, read from vLLM's output processor
-    as each delta arrives: the state of a choice holds `weight_version_starts`, the (label,
-    token index) where each version began. Read on the vLLM loop right after the delta is
-    taken, so the state covers at least the delta's tokens (a state vLLM has removed belongs to
-    a finished choice, whose output carries the spans itself)."""
-
-    def __init__(self, processor: Any, request_id: str, version: int) -> None:
-        self._processor = processor
-        self._rid = request_id
-        self._seen: dict[int, int] = {}
-        self._last: dict[int, int] = {}
-        self._default = version
-
-    def of_delta(self, out: Any) -> Versions:
-        """The versions of `out`'s new tokens (a DELTA `CompletionOutput`)."""
-        index, k = int(out.index), len(out.token_ids)
-        start = self._seen.get(index, 0)
-        end = start + k
-        last = self._last.get(index, self._default)
-        if out.weight_versions is not None:
-            first, changes = _spans(out.weight_versions, end, last)
-        else:
-            first, changes = _versions(self._starts(index), end, last)
-        self._seen[index] = end
-        before, inside = shift_version_changes(changes, start, end)
-        first = first if before is None else before
-        self._last[index] = expand_versions(first, inside, k)[-1] if k else first
-        return first, inside
-
-    def _starts(self, index: int) -> list[tuple[str, int]]:
-        processor = self._processor
-        for internal in processor.external_req_ids.get(self._rid, ()):
-            state = processor.request_states.get(internal)
-            if state is not None and state.request_index == index:
-                return list(state.weight_version_starts)
-        return []
-
-
-def _completion(out: Any, params: SamplingParams, versions: Versions) -> Completion:
-    ids, lps, top = _tokens(out, params)
-    return Completion(
-        token_ids=ids,
-        logprobs=lps,
-        finish_reason=_finish(out) or "abort",
-        policy_version=versions[0],
-        stop_reason=out.stop_reason,
-        top_logprobs=top,
-        version_changes=versions[1],
-    )
-
-
-def _delta(out: Any, params: SamplingParams, versions: Versions) -> CompletionDelta:
-    ids, lps, top = _tokens(out, params)
-    finish = _finish(out)
-    return CompletionDelta(
-        index=int(out.index),
-        token_ids=ids,
-        logprobs=lps,
-        top_logprobs=top,
-        finish_reason=finish,
-        policy_version=versions[0],
-        stop_reason=out.stop_reason if finish is not None else None,
-        version_changes=tuple(versions[1]),
-    )
