@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,32 @@ def remove_partial(run_dir: str | Path) -> list[Path]:
         else:
             p.unlink(missing_ok=True)
     return gone
+
+
+def set_aside_earlier_run(run_dir: str | Path) -> Path | None:
+    """A new run (not `--resume`) into a directory that holds an earlier run's files would mix
+    its metrics, rollouts and checkpoints with them (metrics.jsonl is appended to, `--resume
+    auto` would later pick the older run's newest checkpoint). The earlier run is renamed, whole,
+    to `RUN_DIR.prev-<UTC time>` beside it, and the new run starts in an empty RUN_DIR; returns
+    where the earlier run went (None: nothing to set aside). A directory is a run's when it
+    holds `config.json` (the first file a run writes)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.json").is_file():
+        return None
+    here = Path.cwd().resolve()
+    if run_dir.resolve() in (here, *here.parents, Path.home().resolve()):
+        raise ValueError(
+            f"--run_dir {run_dir} holds an earlier run and is this directory (or one above it): "
+            f"pass --resume auto to continue that run, or a --run_dir of its own for a new one"
+        )
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    aside = run_dir.with_name(f"{run_dir.name}.prev-{stamp}")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = run_dir.with_name(f"{run_dir.name}.prev-{stamp}-{n}")
+    run_dir.rename(aside)
+    return aside
 
 
 def rewind_run_files(run_dir: str | Path, step: int) -> None:

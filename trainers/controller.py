@@ -36,6 +36,7 @@ from trainers.checkpoint import (
     remove_partial,
     rewind_run_files,
     save_checkpoint,
+    set_aside_earlier_run,
 )
 from trainers.config import TrainConfig
 from trainers.metrics import MetricsLogger
@@ -132,6 +133,9 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
+        if not cfg.resume and (aside := set_aside_earlier_run(self.run_dir)) is not None:
+            logger.warning("%s held an earlier run: moved it to %s (to continue that run "
+                           "instead, pass --resume auto)", self.run_dir, aside)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         cfg.save(self.run_dir / "config.json")
         self._start_workers()

@@ -150,6 +150,32 @@ def test_a_run_ends_without_partial_checkpoints(make_cfg, recorded_rollouts):
     assert not stale.exists() and (stale.parent / "step_000001").is_dir()
 
 
+def test_a_new_run_sets_an_earlier_run_in_its_directory_aside(make_cfg, recorded_rollouts):
+    """Run twice into one --run_dir without --resume: the second run's files are its own (two
+    steps logged once each, not appended to the first run's), and the first run is kept whole
+    beside it, byte for byte."""
+    cfg = make_cfg(replay=str(recorded_rollouts), steps=2)
+    Trainer(cfg).run()
+    run_dir = Path(cfg.run_dir)
+    before = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    Trainer(make_cfg(replay=str(recorded_rollouts), steps=2)).run()
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    [aside] = run_dir.parent.glob(f"{run_dir.name}.prev-*")
+    assert {p.relative_to(aside): p.read_bytes() for p in aside.rglob("*") if p.is_file()} == before
+
+
+def test_an_earlier_run_in_the_working_directory_is_not_moved(tmp_path, monkeypatch):
+    from trainers.checkpoint import set_aside_earlier_run
+
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="--resume auto"):
+        set_aside_earlier_run(".")
+    assert (tmp_path / "config.json").exists()
+    assert set_aside_earlier_run(tmp_path / "empty") is None
+
+
 def test_non_finite_loss_skips_then_stops_with_checkpoint(make_cfg, recorded_rollouts):
     from agentrl.algorithms import ADVANTAGE_ESTIMATORS, register_advantage_estimator
 
