@@ -23,6 +23,7 @@ from agentrl.command_line import (
     validation_deferred,
 )
 from agentrl.models import DEFAULT_MODEL
+from agentrl.models.named import check_engine_loads
 
 RENAMED = {"--max_tokens": "--max_new_tokens"}
 """Flags renamed to the spelling train, eval and rollout share (the old one works until the next
@@ -50,6 +51,8 @@ class RolloutArgs(EpisodeOptions):
         if not validation_deferred():
             EpisodeOptions.__post_init__(self)
             check_positive(self, "samples", "prompts")
+            check_engine_loads(self.engine, self.model, engine_flag="--engine",
+                               model_flag="--model")
 
 
 def main(argv: list[str]) -> int:

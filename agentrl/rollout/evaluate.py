@@ -37,6 +37,7 @@ from agentrl.command_line import (
 )
 from agentrl.completion import SamplingParams
 from agentrl.models import DEFAULT_MODEL
+from agentrl.models.named import check_engine_loads
 from agentrl.types import Trajectory
 
 if TYPE_CHECKING:
@@ -256,6 +257,7 @@ class EvalArgs(EpisodeOptions):
             return
         EpisodeOptions.__post_init__(self)
         check_positive(self, "num_problems", "k")
+        check_engine_loads(self.engine, self.model, engine_flag="--engine", model_flag="--model")
         if self.samples is not None and self.samples < self.k:
             raise ValueError(f"-n/--samples ({self.samples}) must be >= -k ({self.k})")
 

@@ -77,3 +77,36 @@ def test_embedded_model_is_trainable_and_local(embedded_tokenizer, tmp_path):
     assert model.model.embed_tokens.weight.grad is not None
     # Libraries that load the model themselves (vLLM) get the saved float32 copy.
     assert (model_dir("HuggingFaceTB/SmolLM2-135M-Instruct") / "config.json").exists()
+
+
+def test_what_a_name_says_before_anything_is_built(tmp_path, monkeypatch):
+    """The checks every command runs before a model starts: which models lack a directory (vLLM
+    cannot load them) and which see images, told without building or loading one."""
+    import json
+
+    from agentrl.models import named
+
+    monkeypatch.setattr(named, "_REGISTERED", dict(named._REGISTERED))
+    monkeypatch.setattr(named, "named_model_dir", lambda *a: pytest.fail("a model was built"))
+    text, vision = tmp_path / "text", tmp_path / "vision"
+    for path, config in ((text, {}), (vision, {"vision_config": {}})):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(config))
+    assert named.canonical_model_name("HuggingFaceTB/SmolLM2-135M-Instruct") == (
+        "smollm2-135m-instruct")
+    assert [named.built_in_memory(m) for m in ("tiny", "tiny-llava", "embedded", str(text),
+                                               "embedded-vlm")] == [True, True, False, False,
+                                                                   False]
+    assert [named.sees_images(m) for m in ("tiny", "tiny-llava", "default", str(text),
+                                           str(vision), "embedded-vlm", "nope")] == [
+        False, True, False, False, True, None, None]  # a registered name: not built to tell
+    named.check_engine_loads("vllm", str(text), engine_flag="--engine", model_flag="--model")
+    named.check_engine_loads("transformers", "tiny", engine_flag="--engine", model_flag="--model")
+    with pytest.raises(ValueError, match=r"^--rollout.engine vllm loads the model from a "
+                                         r"directory, but --actor.model tiny-llava is built in "
+                                         r"memory and has none: use --actor.model embedded-vlm"):
+        named.check_engine_loads("vllm", "tiny-llava", engine_flag="--rollout.engine",
+                                 model_flag="--actor.model")
+    # A provider's own model under a tiny name is its directory, as loading resolves it.
+    named.register_model("tiny", lambda: text)
+    assert not named.built_in_memory("tiny") and named.sees_images("tiny") is None
