@@ -3,10 +3,11 @@
 
 `MathTIREnv` (agentrl/MathTIR-v0, CLI `math-tir`): the policy writes Python (a Hermes tool
 call or a ```python block), the env runs it in a per-episode sandbox session and answers with
-the output; the episode ends at a `\\boxed{}` answer (terminated) or after `max_turns` policy
-turns (truncated). `max_turns` is a rule of this task: the last turn must answer, and code
-written in it is not run (its output could never be read). The run's budgets (turns and
-tokens, `agentrl.rollout.collect(max_turns=, max_episode_tokens=)`, `--rollout.max_turns`) are
+the output (control and bidi characters written as escapes, `agentrl.terminal_safe`); the
+episode ends at a `\\boxed{}` answer (terminated) or after `max_turns` policy turns
+(truncated). `max_turns` is a rule of this task: the last turn must answer, and code written in
+it is not run (its output could never be read). The run's budgets (turns and tokens,
+`agentrl.rollout.collect(max_turns=, max_episode_tokens=)`, `--rollout.max_turns`) are
 enforced by the rollout loop on top of it; whichever runs out first ends the episode.
 
 Reward (final step): 1.0 if the boxed answer is equivalent to the reference (math-verify:
@@ -37,6 +38,7 @@ import numpy as np
 
 from agentrl.envs import ChatEnv
 from agentrl.envs.chat import StepResult
+from agentrl.terminal_safe import visible
 from environments.math_tir import protocol
 from environments.math_tir.data import (
     DEFAULT_EVAL_FRACTION,
@@ -289,7 +291,8 @@ class MathTIREnv(_MathEnvBase):
                 result = self._run(call.code)
                 if result.status == "sandbox_error":
                     # Infrastructure failed, not the policy: end unscored, flagged for dropping.
-                    logger.warning("sandbox_error in math-tir episode: %s", result.stderr[-500:])
+                    logger.warning("sandbox_error in math-tir episode: %s",
+                                   visible(result.stderr[-500:]))
                     info.update(self._info(), sandbox_error=True, truncated_by="sandbox_error",
                                 discard=True)
                     self._close_session()

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from agentrl.terminal_safe import visible
 from environments.math_tir.prompts import EMPTY_OUTPUT
 
 if TYPE_CHECKING:
@@ -70,7 +71,11 @@ def strip_code(text: str) -> str:
 
 
 def render_result(result: ExecResult, *, timeout_s: float, max_chars: int) -> str:
-    """What the policy sees of one execution: output, or the error, cut to `max_chars`."""
+    """What the policy sees of one execution: output, or the error, cut to `max_chars`.
+
+    Control and bidi characters the code wrote are shown as escapes (`agentrl.terminal_safe`),
+    before the cut so the cap holds: the observation, its tokens and whatever prints it show
+    `\\x1b[2J` where the code cleared the screen, and no terminal acts on it (#34 item 10)."""
     out = result.stdout
     if result.status == "ok":
         text = out if out.strip() else EMPTY_OUTPUT
@@ -87,7 +92,7 @@ def render_result(result: ExecResult, *, timeout_s: float, max_chars: int) -> st
         text = out + result.stderr
         if "Traceback" not in result.stderr:  # sys.exit / os._exit: say so, or it looks fine
             text += f"The code exited with status {result.returncode}."
-    return truncate_middle(text.rstrip("\n"), max_chars)
+    return truncate_middle(visible(text.rstrip("\n")), max_chars)
 
 
 def truncate_middle(text: str, max_chars: int) -> str:

@@ -1,4 +1,5 @@
-"""Helpers for the math env tests: scripted policy text and a sandbox that always fails."""
+"""Helpers for the math env tests: scripted policy text and a sandbox with scripted results
+(by default one that always fails)."""
 
 from __future__ import annotations
 
@@ -9,26 +10,33 @@ import numpy as np
 
 from agentrl.sandbox import ExecResult
 
+SANDBOX_ERROR = ExecResult("sandbox_error", None, "", "agentrl.sandbox: cannot start\n", 0.0)
+"""What a call looks like when the sandbox's infrastructure fails."""
 
-class BrokenSession:
-    """A session whose infrastructure always fails (what a sandbox_error looks like)."""
 
-    def __init__(self) -> None:
+class ScriptedSession:
+    """A session that answers every call with the same result."""
+
+    def __init__(self, result: ExecResult) -> None:
+        self.result = result
         self.closed = False
 
     def run(self, code: str, timeout_s: float | None = None) -> ExecResult:
-        return ExecResult("sandbox_error", None, "", "agentrl.sandbox: cannot start\n", 0.0)
+        return self.result
 
     def close(self) -> None:
         self.closed = True
 
 
-class BrokenSandbox:
-    def __init__(self) -> None:
-        self.sessions: list[BrokenSession] = []
+class ScriptedSandbox:
+    """A sandbox whose sessions answer every call with `result` (default: a sandbox_error)."""
 
-    def session(self) -> BrokenSession:
-        self.sessions.append(BrokenSession())
+    def __init__(self, result: ExecResult = SANDBOX_ERROR) -> None:
+        self.result = result
+        self.sessions: list[ScriptedSession] = []
+
+    def session(self) -> ScriptedSession:
+        self.sessions.append(ScriptedSession(self.result))
         return self.sessions[-1]
 
 

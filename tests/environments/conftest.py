@@ -9,7 +9,7 @@ import pytest
 
 import agentrl  # noqa: F401 - registers the env ids
 
-from ._helpers import BrokenSandbox
+from ._helpers import ScriptedSandbox
 
 
 @pytest.fixture(scope="session")
@@ -23,8 +23,8 @@ def sandbox():
 
 
 @pytest.fixture
-def broken_sandbox() -> BrokenSandbox:
-    return BrokenSandbox()
+def broken_sandbox() -> ScriptedSandbox:
+    return ScriptedSandbox()
 
 
 @pytest.fixture

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import pickle
+from collections.abc import Callable
+from typing import TextIO
 
 import gymnasium as gym
 import numpy as np
@@ -13,9 +17,11 @@ from agentrl.completion import SamplingParams
 from agentrl.engine.fakes import FakeEngine
 from agentrl.envs import ChatTokenEnv
 from agentrl.rollout import collect_sync
+from agentrl.sandbox import ExecResult
+from environments.math_tir import protocol
 from environments.math_tir.env import MathEnv, MathTIREnv
 
-from ._helpers import act, code, decode, tool_call
+from ._helpers import ScriptedSandbox, act, code, decode, tool_call
 
 
 def _gold(env: gym.Env) -> str:
@@ -203,6 +209,73 @@ def test_sandbox_error_is_flagged_not_scored(tiny_tokenizer, broken_sandbox):
     assert info["sandbox_error"] is True and info["truncated_by"] == "sandbox_error"
     assert info["correct"] is False and info["discard"] is True
     assert broken_sandbox.sessions[0].closed
+
+
+HOSTILE = "\x1b]52;c;cHduZWQ=\x07\x1b]0;pwned\x07\x1b[2J\u202eevil"
+"""Set the clipboard (OSC 52), set the window title, clear the screen, reverse the line."""
+SHOWN = r"\x1b]52;c;cHduZWQ=\x07\x1b]0;pwned\x07\x1b[2J\u202eevil"
+
+
+def _on_a_terminal(show: Callable[[TextIO], None]) -> bytes:
+    """The bytes a terminal receives from what `show` writes to it (a pseudo-terminal)."""
+    master, slave = os.openpty()
+    try:
+        with open(slave, "w", encoding="utf-8") as terminal:
+            show(terminal)
+        received = b""
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the terminal's side is closed and everything was read
+                break
+            if not chunk:
+                break
+            received += chunk
+        return received
+    finally:
+        os.close(master)
+
+
+def test_code_output_cannot_drive_the_terminal_it_is_printed_to(tiny_tokenizer):
+    """#34 item 10: control sequences the code printed reached the observation raw, and the
+    sandbox_error log raw, so printing either set the clipboard, the title, cleared the screen.
+    The observation's tokens, and the log, show them as escapes."""
+    def make(result: ExecResult) -> gym.Env:
+        return gym.make("agentrl/MathTIR-v0", tokenizer=tiny_tokenizer, split="eval",
+                        num_problems=8, sandbox=ScriptedSandbox(result))
+
+    env = make(ExecResult("error", 1, f"4{HOSTILE}\n", f"Traceback:\nValueError: {HOSTILE}\n",
+                          0.0))
+    env.reset(seed=0)
+    obs, *_ = act(env, code("print(4)"))
+    seen = decode(env, obs)  # what the policy is fed
+    assert f"Output:\n4{SHOWN}\nTraceback:\nValueError: {SHOWN}" in seen
+    broken = make(ExecResult("sandbox_error", None, "", f"bwrap: {HOSTILE}\n", 0.0))
+    broken.reset(seed=0)
+
+    def show(terminal: TextIO) -> None:
+        print(seen, file=terminal, flush=True)
+        log = logging.getLogger("environments.math_tir.env")
+        handler = logging.StreamHandler(terminal)
+        log.addHandler(handler)
+        try:
+            act(broken, code("print(1)"))
+        finally:
+            log.removeHandler(handler)
+
+    received = _on_a_terminal(show)
+    for raw in (b"\x1b", b"\x07", "\u202e".encode()):
+        assert raw not in received
+    assert received.count(SHOWN.encode()) == 3  # the output, the traceback, the log line
+    env.close()
+    broken.close()
+
+
+def test_escaped_output_still_fits_the_cap():
+    result = ExecResult("ok", 0, "\x1b[2J" * 500 + "END", "", 0.0)
+    text = protocol.render_result(result, timeout_s=5.0, max_chars=128)
+    assert len(text) <= 128 and "\x1b" not in text
+    assert text.startswith(r"\x1b[2J") and text.endswith(r"\x1b[2JEND")
 
 
 def test_session_closed_at_episode_end_and_reset(tiny_tokenizer, sandbox):
