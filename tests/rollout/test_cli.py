@@ -92,3 +92,22 @@ def test_one_flag_style_for_every_command(caplog):
     assert serve.num_engines == 2 and serve.allow_image_urls is True
     with pytest.raises(ValueError, match=r"^--gpu_memory_utilization must be in \(0, 1\]"):
         EvalArgs(gpu_memory_utilization=1.5)
+
+
+def test_the_rollout_file_shows_episode_text_escaped(tmp_path):
+    """#34 item 10: text of an episode reaches the file `agentrl rollout` writes through `info`
+    (math-tir's `answer` is the policy's own boxed text). JSON escapes every control and
+    non-ASCII character there, so `cat rollouts.jsonl` shows them instead of obeying them: a
+    guard against writing the file with ensure_ascii=False, which passes U+202E and C1 raw."""
+    from agentrl.trajectory_files import save_jsonl
+    from agentrl.types import TrajectoryBuilder
+
+    text = "\x1b]52;c;cHduZWQ=\x07\x1b]0;pwned\x07\x1b[2J\u202e\x9b"
+    builder = TrajectoryBuilder(group="0")
+    builder.add_observation([5, 6])
+    builder.add_action([7], [-0.5])
+    save_jsonl([builder.build(terminated=True, truncated=False, info={"answer": text})],
+               tmp_path / "r.jsonl")
+    written = (tmp_path / "r.jsonl").read_bytes()
+    assert written.isascii() and not any(b < 0x20 and b != 0x0A for b in written)
+    assert load_jsonl(tmp_path / "r.jsonl")[0].info["answer"] == text
