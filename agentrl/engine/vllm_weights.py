@@ -1,4 +1,4 @@
-"""Weight updates into vLLM 0.32's workers: what agentrl.engine.vllm_updates sends and what runs there.
+"""Weight updates into vLLM 0.32's workers: what agentrl.engine.vllm_updates sends, and runs there.
 
 vLLM's own in-place reload, as its weight-transfer engines do it
 (vllm/distributed/weight_transfer/nccl_engine.py): `initialize_layerwise_reload(model)`, then
