@@ -1,5 +1,5 @@
-"""MCPToolEnv against real MCP servers: a process over stdio and one over streamable HTTP, both
-running the server written below (the `mcp` package's MCPServer)."""
+"""MCPToolEnv (and its MCPConnection) against real MCP servers: a process over stdio and one over
+streamable HTTP, both running the server written below (the `mcp` package's MCPServer)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,8 @@ from gymnasium.utils.env_checker import check_env
 from agentrl.completion import SamplingParams
 from agentrl.engine.fakes import FakeEngine
 from agentrl.envs import ChatEnv, ChatTokenEnv
-from agentrl.envs.mcp_tools import (
-    MCPServerSpec,
-    MCPStartError,
-    MCPToolEnv,
-    find_tool_calls,
-)
+from agentrl.envs.mcp_connection import MCPServerSpec, MCPStartError
+from agentrl.envs.mcp_tools import MCPToolEnv, find_tool_calls
 from agentrl.plugins import load_module_file
 from agentrl.rollout import collect_sync
 
