@@ -6,7 +6,7 @@ framework that only lets you set `base_url` can still bind its calls to a sessio
 
 from __future__ import annotations
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from agentrl.engine.base import Engine
@@ -15,7 +15,13 @@ from servers import chat_completions, completions, responses, session_routes
 from servers.config import ProxyConfig, ProxyState
 from servers.deps import Tokenizer
 from servers.errors import APIError, install_error_handlers
-from servers.generation import check_model, off_loop, parse_body, parse_request
+from servers.generation import (
+    check_model,
+    off_loop,
+    parse_body,
+    parse_request,
+    requested_session_id,
+)
 from servers.images import load_images
 from servers.middleware import ProxyGuard
 from servers.openai_schemas import DetokenizeRequest, TokenizeRequest
@@ -43,7 +49,9 @@ def create_app(
     """
     config = config or ProxyConfig()
     store = store if store is not None else InMemorySessionStore()
-    app = FastAPI(title="agentrl proxy", docs_url=None, redoc_url=None, openapi_url=None)
+    # Every route checks the session id its path or header carries, whether or not it uses it.
+    app = FastAPI(title="agentrl proxy", docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(requested_session_id)])
     app.state.proxy = ProxyState.build(engine, tokenizer, store, config, processor)
     install_error_handlers(app)
     for router in (chat_completions.router, completions.router, responses.router, misc):
@@ -55,6 +63,7 @@ def create_app(
         api_keys=config.api_keys,
         max_body_bytes=config.max_body_bytes,
         max_concurrency=config.max_concurrency,
+        max_header_bytes=config.max_header_bytes,
     )
     return app
 

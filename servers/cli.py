@@ -51,6 +51,8 @@ class ServeArgs(EngineOptions):
     """Most generation requests in flight; more get 503 + Retry-After."""
     max_body_bytes: int = 32 * 2**20
     """Largest request body accepted (413 beyond); images as data URLs count."""
+    max_header_bytes: int = 32 * 2**10
+    """Largest request URL and headers accepted (400 beyond)."""
     max_tokens_default: int | None = None
     """Most tokens sampled per choice when a request sets neither max_tokens nor
     max_completion_tokens (default: the rest of the context)."""
@@ -75,6 +77,8 @@ class ServeArgs(EngineOptions):
             raise ValueError(f"--max_tokens_default must be >= 1, got {self.max_tokens_default}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"--max_header_bytes must be >= 1024, got {self.max_header_bytes}")
         from agentrl.backends.device import check_device_name
 
         EngineOptions.__post_init__(self)
@@ -145,16 +149,18 @@ def main(argv: list[str] | None = None) -> int:
         config=ProxyConfig(model_name=name, api_keys=args.api_key,
                            max_concurrency=args.max_concurrency, tool_parser=args.tool_parser,
                            max_body_bytes=args.max_body_bytes,
+                           max_header_bytes=args.max_header_bytes,
                            max_tokens_default=args.max_tokens_default,
                            max_images_per_request=args.max_images_per_request,
                            allow_image_urls=args.allow_image_urls,
                            image_url_max_bytes=args.image_url_max_bytes,
                            image_url_timeout_s=args.image_url_timeout_s),
     )
-    from servers.serving import freeze_startup_objects
+    from servers.serving import freeze_startup_objects, http_protocol
 
     freeze_startup_objects()
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            http=http_protocol(args.max_header_bytes))
     server = uvicorn.Server(config)
 
     async def announce() -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from agentrl.engine.base import Engine
 from agentrl.models.vision import VisionProcessor, vision_processor
 from servers.deps import Tokenizer
+from servers.middleware import MAX_HEADER_BYTES
 from servers.render import ChatRenderer
 from servers.sessions import ResponseHistory, SessionStore
 from servers.tools import ToolParserFactory, get_tool_parser
@@ -25,6 +26,8 @@ class ProxyConfig:
     """If non-empty, every /v1 and /sessions request needs `Authorization: Bearer <key>`."""
     max_body_bytes: int = 32 * 2**20
     """Largest request body accepted (413 beyond); images as data URLs count."""
+    max_header_bytes: int = MAX_HEADER_BYTES
+    """Largest request URL and headers accepted, in bytes (400 beyond)."""
     max_concurrency: int = 1024
     """Most generation requests in flight at once; more get 503 + Retry-After."""
     max_session_concurrency: int = 64
@@ -49,6 +52,8 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
         if self.max_concurrency < 1 or self.max_session_concurrency < 1:
             raise ValueError(
                 f"max_concurrency and max_session_concurrency must be >= 1, got "

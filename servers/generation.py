@@ -110,18 +110,25 @@ def valid_session_id(sid: str) -> str:
         raise APIError(400, str(e), code="invalid_session_id", param="session_id") from None
 
 
+def requested_session_id(request: Request) -> str | None:
+    """The session id the request names by its path or `X-Session-Id` header, or None; a 400
+    when it is not a valid id. The app checks it on every route, those that never bind a
+    session included (#34 item 6: `/sessions/<3000 characters>/v1/models` answered 200)."""
+    sid = request.path_params.get("session_id") or request.headers.get("x-session-id")
+    return None if sid is None else valid_session_id(sid)
+
+
 def bind_session(state: ProxyState, request: Request) -> Session | None:
     """The session named by the path, the `X-Session-Id` header or a `session-<id>` api key."""
-    sid = request.path_params.get("session_id") or request.headers.get("x-session-id")
+    sid = requested_session_id(request)
     if sid is None and not state.config.api_keys:
         auth = request.headers.get("authorization", "")
         key = auth.removeprefix("Bearer ").strip()
         prefix = state.config.session_api_key_prefix
         if prefix and key.startswith(prefix) and len(key) > len(prefix):
-            sid = key[len(prefix) :]
+            sid = valid_session_id(key[len(prefix) :])
     if sid is None:
         return None
-    valid_session_id(sid)
     session = state.store.get(sid)
     if session is None:
         if not state.config.auto_create_sessions:

@@ -1,4 +1,5 @@
-"""A pure-ASGI guard in front of the app: request ids, auth, body size, global concurrency.
+"""A pure-ASGI guard in front of the app: header and body size, request ids, auth, global
+concurrency.
 
 Pure ASGI (not `BaseHTTPMiddleware`) because it runs on every request and must not add a
 task hop or buffer streaming responses.
@@ -15,6 +16,23 @@ from servers.errors import APIError, error_bytes, error_headers
 
 _GENERATION_SUFFIXES = ("/chat/completions", "/completions", "/responses")
 _OPEN_PATHS = ("/health", "/v1/models")
+
+MAX_HEADER_BYTES = 32 * 1024
+"""Largest request head (URL and headers) the proxy accepts by default: OpenAI clients send
+well under 1 KB; nginx buffers at most 32 KB, Node.js 16 KB."""
+
+
+def head_bytes(scope: Scope) -> int:
+    """Bytes of a request's URL and headers as sent (each header line with its `: ` and CRLF)."""
+    url = len(scope.get("raw_path") or scope["path"].encode()) + len(scope.get("query_string", b""))
+    return url + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+
+
+def head_too_large(limit: int, size: int | None = None) -> str:
+    """The 400's message for a request head over `limit` bytes (`size`, when it is known)."""
+    are = f"are {size} bytes, more than" if size is not None else "are more than"
+    return (f"the request's URL and headers {are} this server's limit of {limit} bytes; send "
+            f"fewer or shorter headers (a large cookie or custom header?) and a shorter URL")
 
 
 class BodyTooLarge(APIError):
@@ -37,16 +55,23 @@ class ProxyGuard:
         api_keys: tuple[str, ...],
         max_body_bytes: int,
         max_concurrency: int,
+        max_header_bytes: int = MAX_HEADER_BYTES,
     ) -> None:
         self.app = app
         self.api_keys = tuple(k.encode() for k in api_keys)
         self.max_body_bytes = max_body_bytes
+        self.max_header_bytes = max_header_bytes
         self.max_concurrency = max_concurrency
         self.in_flight = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        head = head_bytes(scope)
+        if head > self.max_header_bytes:  # first: not even its x-request-id is read (#34 item 6)
+            await _reject(send, 400, head_too_large(self.max_header_bytes, head),
+                          "request_headers_too_large")
             return
         headers = dict(scope["headers"])
         request_id = headers.get(b"x-request-id") or f"req-{secrets.token_hex(8)}".encode()

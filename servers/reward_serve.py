@@ -99,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"agentrl reward-serve: {e}", file=sys.stderr)
         return 2
+    from servers.serving import http_protocol
+
     config = uvicorn.Config(create_reward_app(fn), host=args.host, port=args.port,
-                            log_level="warning")
+                            log_level="warning", http=http_protocol())
     print(f"agentrl reward service for {args.reward_fn}: "
           f"--reward.url http://{args.host}:{args.port}/score", flush=True)
     uvicorn.Server(config).run()

@@ -150,9 +150,22 @@ def test_bad_session_ids_are_refused_wherever_they_come_from(proxy, name, sid):
             httpx.get(f"{proxy.url}/sessions/{path}"),
             httpx.post(f"{proxy.url}/sessions/{path}/reward", json={"reward": 1.0}),
         ]
+        # #34 item 6: the routes that never bind a session checked no id (200 for 3000
+        # characters); every route that carries one refuses a bad one.
+        base = f"{proxy.url}/sessions/{path}"
+        responses += [
+            httpx.get(f"{base}/v1/models"),
+            httpx.get(f"{base}/v1/models/agentrl"),
+            httpx.get(f"{base}/health"),
+            httpx.post(f"{base}/tokenize", json={"prompt": "hi"}),
+            httpx.post(f"{base}/detokenize", json={"tokens": [1]}),
+            httpx.post(f"{base}/v1/completions", json={"model": "agentrl", "prompt": "hi"}),
+            httpx.post(f"{base}/v1/responses", json={"model": "agentrl", "input": "hi"}),
+        ]
     if sid.isprintable():
-        responses.append(httpx.post(f"{proxy.url}/v1/chat/completions", json=OK,
-                                    headers={"x-session-id": sid}))
+        responses += [httpx.post(f"{proxy.url}/v1/chat/completions", json=OK,
+                                 headers={"x-session-id": sid}),
+                      httpx.get(f"{proxy.url}/v1/models", headers={"x-session-id": sid})]
     for r in responses:
         if r.status_code == 404 and "/" in sid:
             continue  # an encoded slash splits the path: no route takes it, which is fine
@@ -160,6 +173,46 @@ def test_bad_session_ids_are_refused_wherever_they_come_from(proxy, name, sid):
         error = r.json()["error"]
         assert "session id" in error["message"] or "'id'" in error["message"], error
     assert proxy.store.list() == [] and proxy.engine.requests == []
+
+
+@pytest.mark.parametrize("size", [64 * 1024, 2**20], ids=["64 KB", "1 MB"])
+def test_request_headers_over_the_limit_are_a_400_on_every_route(proxy, size):
+    """#34 item 6: headers of 64 KB and 1 MB were accepted (32 KB is the default limit)."""
+    pad = {"x-padding": "a" * size}
+    for method, path in (("GET", "/v1/models"), ("GET", "/health"),
+                         ("POST", "/sessions/h/v1/chat/completions"), ("GET", "/sessions")):
+        r = httpx.request(method, f"{proxy.url}{path}", json=OK, headers=pad)
+        assert r.status_code == 400, (path, r.text[:200])
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["code"] == "request_headers_too_large", error
+        assert "limit of 32768 bytes" in error["message"]
+        assert "shorter headers" in error["message"]
+        assert r.headers["x-should-retry"] == "false"
+    assert proxy.store.list() == [] and proxy.engine.requests == []
+    ok = httpx.post(f"{proxy.url}/sessions/h/v1/chat/completions", json=OK,
+                    headers={"x-padding": "a" * 30_000})
+    assert ok.status_code == 200
+
+
+def test_a_request_head_that_never_ends_is_cut_off(proxy):
+    """The server stops reading a head that grows past the limit before it ends: uvicorn's
+    parser buffered any amount (here 32 MB, never finished) and waited for the rest. What is
+    sent before the reset also fills the kernel's socket buffers (a few MB on loopback)."""
+    host, port = proxy.url.removeprefix("http://").split(":")
+    sent = 0
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Padding: ")
+        try:
+            while sent < 32 * 2**20:
+                s.sendall(b"a" * 2**16)
+                sent += 2**16
+            answer = s.recv(4096)
+        except OSError:  # reset by the server, which closed with our bytes unread
+            answer = b""
+    assert sent < 8 * 2**20
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert httpx.get(f"{proxy.url}/health").status_code == 200
 
 
 def test_sessions_list_is_paged(proxy):
