@@ -12,6 +12,11 @@ mount/unshare/setns/new mount API (namespace games), keyrings, module loading, u
 (exploit timing primitive), and sockets of every family but AF_UNIX (inet: the network namespace
 already has only its own loopback; vsock is not namespaced at all, so a guest could take a port
 the host needs; netlink and packet are kernel attack surface).
+Setting file times is denied too (#34 item 8): bubblewrap's --dev binds the host's device nodes
+(/dev/null, /dev/zero, ...), which are world-writable, and write permission is all
+`utime(path, NULL)` asks, so the code set the host's /dev/null times. A read-only remount is no
+way out: bubblewrap remounts with nodev, and then the devices cannot be opened at all. The cost:
+`os.utime`, and so `shutil.copy2`/`copystat`, fail with EPERM on the sandbox's own files too.
 Denied calls fail with EPERM rather than killing, so a library probing for io_uring degrades.
 
 Only x86_64 is supported: syscall numbers differ per architecture and an untested table would
@@ -41,6 +46,7 @@ _DENIED_X86_64: dict[str, int] = {
     "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
     "kcmp": 312, "pidfd_send_signal": 424, "pidfd_open": 434, "pidfd_getfd": 438,
     "process_madvise": 440,
+    "utime": 132, "utimes": 235, "futimesat": 261, "utimensat": 280,
 }
 _SYS_SOCKET_X86_64 = 41
 _SYS_SOCKETPAIR_X86_64 = 53
