@@ -43,13 +43,10 @@ The session with the server, its deadlines and its failures are `agentrl.envs.mc
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import json
 import logging
 import math
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from agentrl.envs.chat import ChatEnv, StepResult
@@ -61,65 +58,9 @@ from agentrl.envs.mcp_connection import (
     openai_tool,
 )
 from agentrl.envs.template import Message
+from agentrl.envs.tool_calls import ToolCallText, find_tool_calls, fold_tools
 
 logger = logging.getLogger(__name__)
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.DOTALL)
-_CALL_FORMAT = '<tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>'
-
-
-@dataclasses.dataclass(frozen=True)
-class ToolCallText:
-    """One Hermes-style call found in the policy's text: a name and arguments, or an error."""
-
-    name: str = ""
-    arguments: Mapping[str, object] = dataclasses.field(default_factory=dict)
-    error: str | None = None
-
-
-def find_tool_calls(text: str) -> list[ToolCallText]:
-    """The `<tool_call>{json}</tool_call>` blocks in `text`, in order; a block left unclosed at
-    the end counts (the policy stopped right after it). Arguments may be a JSON string."""
-    calls = []
-    for match in _TOOL_CALL.finditer(text):
-        try:
-            obj = json.loads(match.group(1))
-            args = obj.get("arguments", {}) if isinstance(obj, dict) else None
-            args = json.loads(args) if isinstance(args, str) else args
-        except json.JSONDecodeError as e:
-            calls.append(ToolCallText(error=f"Error: the tool call is not valid JSON ({e}). "
-                                            f"Write {_CALL_FORMAT}"))
-            continue
-        name = obj.get("name") if isinstance(obj, dict) else None
-        if not isinstance(name, str) or not isinstance(args, dict):
-            calls.append(ToolCallText(error=f"Error: a tool call needs a string \"name\" and an "
-                                            f"object of \"arguments\". Write {_CALL_FORMAT}"))
-            continue
-        calls.append(ToolCallText(name=name, arguments=args))
-    return calls
-
-
-_TOOLS_PREAMBLE = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-)
-_TOOLS_POSTAMBLE = (
-    "\n</tools>\n\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
-)
-
-
-def fold_tools(messages: list[Message], tools: Sequence[Mapping[str, object]]) -> list[Message]:
-    """The tool schemas in the system message, in the Hermes wording Qwen's template uses (for
-    chat templates that ignore `tools`, such as SmolLM2's)."""
-    block = _TOOLS_PREAMBLE + "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    block += _TOOLS_POSTAMBLE
-    if messages and messages[0].get("role") == "system" and isinstance(
-            messages[0].get("content"), str):
-        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{block}"}, *messages[1:]]
-    return [{"role": "system", "content": block}, *messages]
-
 
 CallTool = Callable[[str, Mapping[str, object]], ToolResult]
 """`call_tool(name, arguments)`: a tool call on the env's server (a task that reads its state)."""

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from agentrl.envs.tool_calls import fold_tools, template_renders_tools
+
 if TYPE_CHECKING:
     from agentrl.models.vision import VisionProcessor
 
@@ -220,12 +222,18 @@ class ChatTemplateBridge:
         """`vision`: the model's image processor path; default: the one the tokenizer's model
         has (`agentrl.models.vision.vision_processor`), looked up at the first image."""
         self.tokenizer = tokenizer
-        self.tools = list(tools) if tools else None
         if getattr(tokenizer, "chat_template", None) is None:
             raise TemplateError(
                 f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no chat "
                 f"template; set tokenizer.chat_template (a Jinja string) before using chat envs"
             )
+        self.tools = list(tools) if tools else None
+        # A template that ignores `tools` (SmolLM2's) would show the policy none: they go into
+        # the conversation's system message instead (agentrl.envs.tool_calls).
+        self.folded_tools: list[dict] | None = None
+        if self.tools and not template_renders_tools(tokenizer):
+            self.folded_tools, self.tools = self.tools, None
+        tools = self.tools
         self._base_text = render_text(tokenizer, _BASE, add_generation_prompt=False, tools=tools)
         at = self._base_text.find(_CANARY)
         if at < 0:
@@ -250,8 +258,16 @@ class ChatTemplateBridge:
         return self._plain.encode(head + text[skip:], escaper)
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
-        ids = self._ids(messages, add_generation_prompt=True)
+        """The tokens of a conversation's first messages, with the generation prompt."""
+        ids = self._ids(self._with_tools(messages), add_generation_prompt=True)
         return self._expand(ids, message_images(messages))
+
+    def _with_tools(self, messages: Sequence[Message]) -> list[Message]:
+        """A whole conversation as rendered: with the tool schemas folded into its system
+        message where the template ignores `tools`."""
+        if self.folded_tools is None:
+            return list(messages)
+        return fold_tools(messages, self.folded_tools)
 
     def _expand(self, ids: list[int], images: Sequence[np.ndarray]) -> list[int]:
         """Replace each image placeholder with its image's tokens (text-only: `ids`)."""
@@ -311,8 +327,8 @@ class ChatTemplateBridge:
         """Compare the running ids with a full re-render of `messages`."""
         escaper = self._plain.escaper()
         text = render_text(
-            self.tokenizer, escaper.tree(list(messages)), add_generation_prompt=open_turn,
-            tools=self.tools,
+            self.tokenizer, escaper.tree(self._with_tools(messages)),
+            add_generation_prompt=open_turn, tools=self.tools,
         )
         if not open_turn and text.endswith(self.assistant_suffix):
             # A finished episode's sequence ends at the policy's last token, not the template's.

@@ -14,13 +14,13 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from agentrl.envs.tool_calls import TOOL_CALL_BLOCK
 from agentrl.terminal_safe import visible
 from environments.math_tir.prompts import EMPTY_OUTPUT
 
 if TYPE_CHECKING:
     from agentrl.sandbox import ExecResult
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.DOTALL)
 _FENCE = re.compile(r"```(?:python3?|py)[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 _ANY_FENCE = re.compile(r"```.*?(?:```|\Z)", re.DOTALL)
 
@@ -38,7 +38,7 @@ class Call:
 
 def find_calls(text: str) -> list[Call]:
     """Code calls in order of appearance (tool calls first if the text mixes both forms)."""
-    calls = [_parse_tool_call(m.group(1)) for m in _TOOL_CALL.finditer(text)]
+    calls = [_parse_tool_call(m.group(1)) for m in TOOL_CALL_BLOCK.finditer(text)]
     if calls:
         return calls
     return [Call("fenced", m.group(1)) for m in _FENCE.finditer(text) if m.group(1).strip()]
@@ -67,7 +67,7 @@ def strip_code(text: str) -> str:
     So `print("\\boxed{42}")` inside code is not an answer (grading happens here, outside the
     sandbox, on what the policy itself wrote).
     """
-    return _ANY_FENCE.sub(" ", _TOOL_CALL.sub(" ", text))
+    return _ANY_FENCE.sub(" ", TOOL_CALL_BLOCK.sub(" ", text))
 
 
 def render_result(result: ExecResult, *, timeout_s: float, max_chars: int) -> str:

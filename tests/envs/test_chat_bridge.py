@@ -247,3 +247,52 @@ def test_content_that_spells_special_tokens_stays_text(tok_fixture, request):
     # Without any special spelling the ids are exactly those of tokenizing the rendering.
     rendered = render_text(tok, clean.messages, add_generation_prompt=True)
     assert tok.encode(rendered, add_special_tokens=False) == clean_running == clean.token_ids
+
+
+class WithTools(ChatEnv):
+    tools = [{"type": "function", "function": {
+        "name": "lookup_unit", "description": "Convert a unit.",
+        "parameters": {"type": "object", "properties": {"unit": {"type": "string"}}}}}]
+
+    def reset(self, *, seed=None, options=None):
+        return [{"role": "user", "content": "How many metres in a furlong?"}]
+
+    def step(self, text):
+        if "<tool_call>" in text:
+            return [{"role": "tool", "content": "201.168"}], 0.0, False, False, {}
+        return [], float("201" in text), True, False, {}
+
+
+def test_tools_reach_the_prompt_when_the_template_ignores_them(embedded_tokenizer):
+    """SmolLM2's template drops `tools`: the bridge folds the schemas into the system message
+    (Hermes wording), so the policy is shown its tools; the running ids stay a re-render of the
+    conversation (no drift) over a tool round trip."""
+    from agentrl.envs.tool_calls import template_renders_tools
+
+    tok = embedded_tokenizer
+    assert not template_renders_tools(tok)
+    env = ChatTokenEnv(WithTools(), tok)
+    call = '<tool_call>{"name": "lookup_unit", "arguments": {"unit": "furlong"}}</tool_call>'
+    running, _, infos, rewards = _episode(env, tok, [call, "201 metres."])
+    prompt = tok.decode(running, skip_special_tokens=False)
+    assert prompt.count('"name": "lookup_unit"') == 2  # the schema, then the call
+    assert prompt.index("<tools>") < prompt.index("How many metres")
+    assert rewards == [0.0, 1.0] and not any("drift" in i for i in infos)
+
+
+def test_a_template_that_renders_tools_gets_them_unfolded(tiny_tokenizer):
+    """A template that shows `tools` itself renders them once, its own way; nothing folded."""
+    import copy as _copy
+
+    from agentrl.envs.tool_calls import TOOLS_PREAMBLE, template_renders_tools
+
+    tok = _copy.copy(tiny_tokenizer)
+    tok.chat_template = (
+        "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    assert template_renders_tools(tok)
+    env = ChatTokenEnv(WithTools(), tok)
+    obs, _ = env.reset(seed=0)
+    prompt = tok.decode(obs["tokens"].tolist(), skip_special_tokens=False)
+    assert prompt.startswith("TOOLS:lookup_unit;") and TOOLS_PREAMBLE not in prompt

@@ -22,7 +22,8 @@ from agentrl.completion import SamplingParams
 from agentrl.engine.fakes import FakeEngine
 from agentrl.envs import ChatEnv, ChatTokenEnv
 from agentrl.envs.mcp_connection import MCPServerSpec, MCPStartError
-from agentrl.envs.mcp_tools import MCPToolEnv, find_tool_calls
+from agentrl.envs.mcp_tools import MCPToolEnv
+from agentrl.envs.tool_calls import find_tool_calls
 from agentrl.plugins import load_module_file
 from agentrl.rollout import collect_sync
 
