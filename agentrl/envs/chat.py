@@ -36,7 +36,9 @@ class ChatEnv:
     - `step(assistant_text)` returns `(new_messages, reward, terminated, truncated, info)`;
       `new_messages` are what the policy sees next (user / tool messages).
     - `self.np_random` is a seeded `numpy.random.Generator`, set before each `reset`.
-    - `tools` (OpenAI function schemas) are rendered through the chat template.
+    - `tools` (OpenAI function schemas) are rendered through the chat template; where the
+      template ignores them, into the system message (`agentrl.envs.tool_calls.fold_tools`),
+      unless the class sets `fold_tools = False` (its prompt explains its tools itself).
     - Images go in list-of-parts content, `{"type": "image", "image": uint8 HxWx3}`. An env
       that shows images sets the class attribute `shows_images = True` (so the bridge defaults
       to a vision-language model and refuses a text-only one) and `image_shape` (H, W, 3), the
@@ -44,6 +46,7 @@ class ChatEnv:
     """
 
     tools: list[dict] | None = None
+    fold_tools: ClassVar[bool] = True
     shows_images: ClassVar[bool] = False
     image_shape: tuple[int, int, int] | None = None
     np_random: np.random.Generator
@@ -119,7 +122,10 @@ class ChatTokenEnv(TokenEnv):
         self.tokenizer = resolve_tokenizer(tokenizer)
         if images and vision is None:
             vision = _vision_of(self.tokenizer, type(chat_env).__name__)
-        self.bridge = ChatTemplateBridge(self.tokenizer, getattr(chat_env, "tools", None), vision)
+        self.bridge = ChatTemplateBridge(
+            self.tokenizer, getattr(chat_env, "tools", None), vision,
+            fold_tools=getattr(chat_env, "fold_tools", True),
+        )
         self.check = check_drift
         shape = getattr(chat_env, "image_shape", None)
         if shape is None:

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from agentrl.envs.tool_calls import fold_tools, template_renders_tools
+from agentrl.envs import tool_calls
+from agentrl.envs.tool_calls import template_renders_tools
 
 if TYPE_CHECKING:
     from agentrl.models.vision import VisionProcessor
@@ -217,10 +218,11 @@ class ChatTemplateBridge:
 
     def __init__(
         self, tokenizer: Any, tools: Sequence[dict] | None = None,
-        vision: VisionProcessor | None = None,
+        vision: VisionProcessor | None = None, *, fold_tools: bool = True,
     ) -> None:
         """`vision`: the model's image processor path; default: the one the tokenizer's model
-        has (`agentrl.models.vision.vision_processor`), looked up at the first image."""
+        has (`agentrl.models.vision.vision_processor`), looked up at the first image.
+        `fold_tools`: where the template ignores `tools`, show them in the system message."""
         self.tokenizer = tokenizer
         if getattr(tokenizer, "chat_template", None) is None:
             raise TemplateError(
@@ -232,7 +234,8 @@ class ChatTemplateBridge:
         # the conversation's system message instead (agentrl.envs.tool_calls).
         self.folded_tools: list[dict] | None = None
         if self.tools and not template_renders_tools(tokenizer):
-            self.folded_tools, self.tools = self.tools, None
+            self.folded_tools = self.tools if fold_tools else None
+            self.tools = None
         tools = self.tools
         self._base_text = render_text(tokenizer, _BASE, add_generation_prompt=False, tools=tools)
         at = self._base_text.find(_CANARY)
@@ -267,7 +270,7 @@ class ChatTemplateBridge:
         message where the template ignores `tools`."""
         if self.folded_tools is None:
             return list(messages)
-        return fold_tools(messages, self.folded_tools)
+        return tool_calls.fold_tools(messages, self.folded_tools)
 
     def _expand(self, ids: list[int], images: Sequence[np.ndarray]) -> list[int]:
         """Replace each image placeholder with its image's tokens (text-only: `ids`)."""

@@ -187,7 +187,9 @@ class MathTIREnv(_MathEnvBase):
         system_prompt: explains the protocol; None or "" uses the template's default.
         examples: chat turns shown before the problem (default: one worked exchange,
             code -> "Output: 24" -> \\boxed{24}); None or () for none.
-        expose_tools: expose the python tool schema (`tools`) to the chat template.
+        expose_tools: expose the python tool schema (`tools`) to the chat template. A
+            template that ignores tools (SmolLM2's) is not given them in the system message
+            (`fold_tools = False`): the system prompt teaches the tool itself.
         max_output_chars: observation size cap per call (head and tail are kept).
         max_calls_per_turn: code calls run per turn; extra ones are reported, not run.
         format_reward: added for a parseable boxed answer, right or wrong.
@@ -198,6 +200,8 @@ class MathTIREnv(_MathEnvBase):
             otherwise construction fails with the sandbox's instructions).
         sandbox: a prebuilt sandbox (default: one shared per `sandbox_config` in the process).
     """
+
+    fold_tools = False  # the system prompt explains the python tool (see expose_tools)
 
     def __init__(
         self,

@@ -296,3 +296,17 @@ def test_a_template_that_renders_tools_gets_them_unfolded(tiny_tokenizer):
     obs, _ = env.reset(seed=0)
     prompt = tok.decode(obs["tokens"].tolist(), skip_special_tokens=False)
     assert prompt.startswith("TOOLS:lookup_unit;") and TOOLS_PREAMBLE not in prompt
+
+
+def test_an_env_that_explains_its_tools_itself_can_keep_them_out_of_the_prompt(
+        embedded_tokenizer):
+    """`fold_tools = False` (math-tir: its system prompt teaches the python tool): a template
+    that ignores tools shows none, as before folding existed."""
+
+    class NoFold(WithTools):
+        fold_tools = False
+
+    obs, _ = ChatTokenEnv(NoFold(), embedded_tokenizer).reset(seed=0)
+    assert "<tools>" not in embedded_tokenizer.decode(obs["tokens"].tolist())
+    obs, _ = ChatTokenEnv(WithTools(), embedded_tokenizer).reset(seed=0)
+    assert "<tools>" in embedded_tokenizer.decode(obs["tokens"].tolist())
