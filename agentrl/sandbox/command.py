@@ -2,10 +2,10 @@
 
 Isolated tier, outer to inner, each stage an exec wrapper:
 
-    setpriv (drop root to an unprivileged uid, no-new-privs) -> bwrap (namespaces, read-only
-    /usr, tmpfs /tmp /work /dev/shm, clearenv, seccomp; waits on --block-fd while the caller
-    moves it into the cgroup) -> prlimit (rlimits) -> sh (NOTICE: "started", stdin /dev/null)
-    -> python3 -I -u
+    unshare (caller is root: drop to the sandbox's own uid) -> bwrap (namespaces, no-new-privs,
+    read-only /usr, tmpfs /tmp /work /dev/shm, clearenv, seccomp; waits on --block-fd while the
+    caller moves it into the cgroup) -> prlimit (rlimits) -> sh (NOTICE: "started", stdin
+    /dev/null) -> python3 -I -u
 
 Measured on the 2-core CI machine, the wrappers cost nothing visible next to bwrap's own
 namespace set-up and the interpreter's start (see benchmarks/results/sandbox_overhead.md).
@@ -14,6 +14,10 @@ prlimit runs *inside* the user namespace on purpose: since Linux 5.14 RLIMIT_NPR
 per (user namespace, uid), so a limit set there bounds this sandbox alone, and a fork bomb in
 one sandbox cannot starve a neighbour running as the same uid (set outside, it would count every
 process of that uid on the host).
+
+The same rlimits cap pending signals (RLIMIT_SIGPENDING, also per (user namespace, uid)): each
+POSIX timer holds one, so where sandboxes share a host uid (an unprivileged caller) one of them
+can hold at most MAX_PENDING_SIGNALS of the uid's ~96k, not all of them (#34 item 7).
 
 Unisolated tier (explicit opt-in only): sh (joins the cgroup as root, there is no bwrap gate)
 -> setpriv -> prlimit -> sh (NOTICE) -> python, in a fresh 0700 directory.
@@ -47,6 +51,8 @@ NOTICE = ["/bin/sh", "-c", _NOTICE, "sh"]
 # With a cgroup the address-space rlimit is only a coarse backstop: thread stacks and
 # allocator arenas reserve far more virtual memory than they touch.
 _AS_BACKSTOP_FACTOR = 4
+MAX_PENDING_SIGNALS = 1024
+"""RLIMIT_SIGPENDING per sandbox: queued signals and POSIX timers (python itself uses none)."""
 
 
 @dataclass(frozen=True)
@@ -57,8 +63,9 @@ class Plan:
     """Resolved bubblewrap path; None only in the opted-in unisolated tier."""
     python: str
     """Interpreter the code runs under."""
-    drop_uid: int | None
-    """uid to switch to (caller is root); None when already unprivileged."""
+    uids: range | None
+    """Host uids to run sandboxes as, a different one for each live sandbox (caller is root,
+    `identity.py`); None when already unprivileged: every sandbox runs as the caller."""
     has_cgroup: bool
     seccomp: bytes | None
 
@@ -84,7 +91,7 @@ def resolve_python(cfg: SandboxConfig) -> str | None:
 
 
 def rlimit_args(cfg: SandboxConfig, *, cpu_time_s: float | None, nproc: bool,
-                has_cgroup: bool) -> list[str]:
+                sigpending: bool, has_cgroup: bool) -> list[str]:
     """`prlimit ... --` for one execution; CPU soft limit sends SIGXCPU, hard one SIGKILL."""
     memory = cfg.memory_mb * _MB
     address_space = memory * _AS_BACKSTOP_FACTOR if has_cgroup else memory
@@ -92,6 +99,8 @@ def rlimit_args(cfg: SandboxConfig, *, cpu_time_s: float | None, nproc: bool,
             f"--nofile={cfg.max_open_files}", "--core=0"]
     if nproc:
         args.append(f"--nproc={cfg.max_processes}")
+    if sigpending:
+        args.append(f"--sigpending={MAX_PENDING_SIGNALS}")
     if cpu_time_s is not None:
         soft = math.ceil(cpu_time_s)
         args.append(f"--cpu={soft}:{soft + 1}")
@@ -137,13 +146,20 @@ def bwrap_args(cfg: SandboxConfig, plan: Plan, *, status_fd: int, seccomp_fd: in
     return [*args, "--"]
 
 
-def outer_args(plan: Plan, procs_files: list[str]) -> list[str]:
-    """The stages before bwrap: join the cgroup (as root), then drop privileges."""
+def isolated_outer_args(plan: Plan, uid: int | None) -> list[str]:
+    """The stage before bwrap when the caller is root: the sandbox's own uid (and gid, no
+    supplementary groups). bwrap sets no-new-privs itself."""
+    if uid is None:
+        return []
+    return ["unshare", f"--setgid={uid}", f"--setuid={uid}", "--"]
+
+
+def unisolated_outer_args(procs_files: list[str], uid: int | None) -> list[str]:
+    """The stages of the unisolated tier: join the cgroup (as root), then drop privileges."""
     args: list[str] = []
     if procs_files:
         args += ["/bin/sh", "-c", _JOIN, "sh", *procs_files, "--"]
-    if plan.drop_uid is not None:
-        uid = str(plan.drop_uid)
+    if uid is not None:
         args += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                  "--no-new-privs", "--"]
     return args

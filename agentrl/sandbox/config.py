@@ -51,11 +51,18 @@ class SandboxConfig:
     """Interpreter run inside the sandbox; it must live under /usr or `extra_ro_paths`. None:
     /usr/bin/python3, else this process's base interpreter if it lives under /usr."""
     extra_ro_paths: tuple[str, ...] = ()
-    """Host paths bound read-only at the same place; they must be readable by `sandbox_uid`
-    (not under a 0700 /root). To let the code import a venv's packages (sympy, numpy):
-    python_path=<venv>/bin/python, extra_ro_paths=(<venv>, <its base prefix>)."""
-    sandbox_uid: int = 65534
-    """Unprivileged uid the sandbox runs as when the caller is root (nobody)."""
+    """Host paths bound read-only at the same place; they must be readable by any uid (the
+    sandbox's is one of `sandbox_uid`'s range; not under a 0700 /root). To let the code import
+    a venv's packages (sympy, numpy): python_path=<venv>/bin/python,
+    extra_ro_paths=(<venv>, <its base prefix>)."""
+    sandbox_uid: int = 0x7000_0000
+    """First of the unprivileged host uids sandboxes run as when the caller is root, one of its
+    own per live sandbox (so per-user kernel quotas are not shared, #34 item 7). The default
+    range is one systemd leaves unallocated (above its container ranges); no file or process
+    of the host should belong to these uids."""
+    num_sandbox_uids: int = 65536
+    """How many uids from `sandbox_uid` on; also the most sandboxes (one-shot runs and open
+    sessions) alive at once on this host when the caller is root."""
     max_concurrent: int | None = None
     """Executions (one-shot runs and session calls) running at once per Sandbox; more wait,
     and the wait is not charged to their timeout. None: 2 x CPU cores, at least 4."""
@@ -90,8 +97,13 @@ class SandboxConfig:
         if self.memory_mb < 32:
             raise ValueError(f"SandboxConfig.memory_mb must be >= 32 (python needs ~10 MB), "
                              f"got {self.memory_mb}")
-        if not 0 <= self.sandbox_uid < 2**32 - 1:
-            raise ValueError(f"SandboxConfig.sandbox_uid must be a uid, got {self.sandbox_uid}")
+        if self.num_sandbox_uids < 1:
+            raise ValueError(f"SandboxConfig.num_sandbox_uids must be >= 1, got "
+                             f"{self.num_sandbox_uids}")
+        if not 0 < self.sandbox_uid <= 2**32 - 1 - self.num_sandbox_uids:
+            raise ValueError(f"SandboxConfig.sandbox_uid must be an unprivileged uid with "
+                             f"num_sandbox_uids={self.num_sandbox_uids} uids after it below "
+                             f"2**32 - 1, got {self.sandbox_uid}")
         if self.python_path is not None and not self.python_path.startswith("/"):
             raise ValueError(f"SandboxConfig.python_path must be absolute, got "
                              f"{self.python_path!r}")

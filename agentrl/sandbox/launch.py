@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+from agentrl.sandbox import identity
 from agentrl.sandbox.cgroup import Cgroup, CgroupFactory
 from agentrl.sandbox.command import (
     CODE_NAME,
@@ -22,9 +23,10 @@ from agentrl.sandbox.command import (
     Plan,
     bwrap_args,
     isolated_env,
-    outer_args,
+    isolated_outer_args,
     rlimit_args,
     unisolated_env,
+    unisolated_outer_args,
 )
 from agentrl.sandbox.config import ExecResult, SandboxConfig, Status
 from agentrl.sandbox.process import Child, PumpEvent, spawn
@@ -62,23 +64,33 @@ def _memfd(name: str, data: bytes) -> int:
 def start(cfg: SandboxConfig, plan: Plan, *, code: bytes | None,
           cpu_time_s: float | None) -> Child:
     """Launch `code` as a one-shot program, or the session guest when `code` is None."""
+    uid: int | None = None
+    if plan.uids is not None:
+        try:
+            uid = identity.acquire(plan.uids)
+        except identity.NoFreeUidError as exc:
+            raise StartError(str(exc)) from exc
     cgroup: Cgroup | None = None
     factory = cgroup_factory() if plan.has_cgroup else None
-    if factory is not None:
-        try:
-            cgroup = factory.create(cfg.memory_mb * _MB, cfg.max_processes, cfg.cpu_cores)
-        except OSError as exc:
-            raise StartError(f"cannot create the execution's cgroup: {exc}") from exc
     parent_fds: list[int] = []  # Child-side ends, closed here once the child has them.
-    status_r, status_w = os.pipe()
-    parent_fds.append(status_w)
+    status_r = -1
     try:
-        return _start(cfg, plan, code, cpu_time_s, cgroup, status_r, status_w, parent_fds)
-    except BaseException:
-        os.close(status_r)
+        if factory is not None:
+            try:
+                cgroup = factory.create(cfg.memory_mb * _MB, cfg.max_processes, cfg.cpu_cores)
+            except OSError as exc:
+                raise StartError(f"cannot create the execution's cgroup: {exc}") from exc
+        status_r, status_w = os.pipe()
+        parent_fds.append(status_w)
+        return _start(cfg, plan, code, cpu_time_s, cgroup, uid, status_r, status_w, parent_fds)
+    except BaseException:  # Nothing started: undo what was set up for it.
+        if status_r >= 0:
+            os.close(status_r)
         if cgroup is not None:
             cgroup.kill()
             cgroup.remove()
+        if uid is not None:
+            identity.release(uid)
         raise
     finally:
         for fd in parent_fds:
@@ -86,7 +98,7 @@ def start(cfg: SandboxConfig, plan: Plan, *, code: bytes | None,
 
 
 def _start(cfg: SandboxConfig, plan: Plan, code: bytes | None, cpu_time_s: float | None,
-           cgroup: Cgroup | None, status_r: int, status_w: int,
+           cgroup: Cgroup | None, uid: int | None, status_r: int, status_w: int,
            parent_fds: list[int]) -> Child:
     isolated = plan.bwrap is not None
     python = [plan.python, "-I", "-u"]
@@ -97,24 +109,20 @@ def _start(cfg: SandboxConfig, plan: Plan, code: bytes | None, cpu_time_s: float
         parent_fds += [msg_w, ctl_r]
         python += ["-c", GUEST_SOURCE, str(ctl_r), str(msg_w)]
     procs = cgroup.procs_files if cgroup is not None else []
-    # Outside a user namespace RLIMIT_NPROC counts every process of the uid on the host (other
-    # sandboxes included), so the unisolated tier uses it only when no pids cgroup bounds it.
+    # Outside a user namespace RLIMIT_NPROC and RLIMIT_SIGPENDING count every process of the
+    # uid on the host (the caller's, when it is not root), so the unisolated tier sets them
+    # only for a uid of the sandbox's own, and RLIMIT_NPROC only if no pids cgroup bounds it.
     pids_cgroup = cgroup is not None and "pids" in cgroup.controllers
-    nproc = isolated or (plan.drop_uid is not None and not pids_cgroup)
-    rlimits = rlimit_args(cfg, cpu_time_s=cpu_time_s, nproc=nproc, has_cgroup=cgroup is not None)
+    rlimits = rlimit_args(cfg, cpu_time_s=cpu_time_s,
+                          nproc=isolated or (uid is not None and not pids_cgroup),
+                          sigpending=isolated or uid is not None, has_cgroup=cgroup is not None)
     work_dir = gate_w = None
     if isolated:
-        code_fd = None if code is None else _memfd("agentrl-code", code)
-        seccomp_fd = None if plan.seccomp is None else _memfd("agentrl-seccomp", plan.seccomp)
-        parent_fds += [fd for fd in (code_fd, seccomp_fd) if fd is not None]
         gate_r = None
         if cgroup is not None:  # Child.admit joins the cgroup, then opens the gate.
             gate_r, gate_w = os.pipe()
             parent_fds.append(gate_r)
-        argv = [*outer_args(plan, []),
-                *bwrap_args(cfg, plan, status_fd=status_w, seccomp_fd=seccomp_fd,
-                            code_fd=code_fd, code_bytes=len(code or b""), gate_fd=gate_r),
-                *rlimits]
+        argv = [*_isolated_argv(cfg, plan, code, uid, status_w, gate_r, parent_fds), *rlimits]
         env, cwd = isolated_env(), None
         if code is not None:
             python.append(f"{WORK_DIR}/{CODE_NAME}")
@@ -123,9 +131,9 @@ def _start(cfg: SandboxConfig, plan: Plan, code: bytes | None, cpu_time_s: float
         if code is not None:
             Path(work_dir, CODE_NAME).write_bytes(code)
             python.append(os.path.join(work_dir, CODE_NAME))
-        if plan.drop_uid is not None:
-            os.chown(work_dir, plan.drop_uid, plan.drop_uid)
-        argv = [*outer_args(plan, procs), *rlimits]
+        if uid is not None:
+            os.chown(work_dir, uid, uid)
+        argv = [*unisolated_outer_args(procs, uid), *rlimits]
         env, cwd = unisolated_env(work_dir), work_dir
     try:  # stdin is the status pipe until NOTICE swaps in /dev/null.
         proc = spawn([*argv, *NOTICE, *python], env=env, stdin=status_w,
@@ -135,7 +143,19 @@ def _start(cfg: SandboxConfig, plan: Plan, code: bytes | None, cpu_time_s: float
             os.close(gate_w)
         raise StartError(f"cannot start {argv[0]}: {exc}") from exc
     return Child(proc, cap=cfg.max_output_bytes, isolated=isolated, status_r=status_r,
-                 msg_r=msg_r, stdin_w=ctl_w, cgroup=cgroup, work_dir=work_dir, gate_w=gate_w)
+                 msg_r=msg_r, stdin_w=ctl_w, cgroup=cgroup, work_dir=work_dir, gate_w=gate_w,
+                 uid=uid)
+
+
+def _isolated_argv(cfg: SandboxConfig, plan: Plan, code: bytes | None, uid: int | None,
+                   status_w: int, gate_r: int | None, parent_fds: list[int]) -> list[str]:
+    """unshare (when root) and bwrap, with the memfds bwrap reads added to `parent_fds`."""
+    code_fd = None if code is None else _memfd("agentrl-code", code)
+    seccomp_fd = None if plan.seccomp is None else _memfd("agentrl-seccomp", plan.seccomp)
+    parent_fds += [fd for fd in (code_fd, seccomp_fd) if fd is not None]
+    return [*isolated_outer_args(plan, uid),
+            *bwrap_args(cfg, plan, status_fd=status_w, seccomp_fd=seccomp_fd, code_fd=code_fd,
+                        code_bytes=len(code or b""), gate_fd=gate_r)]
 
 
 def exit_status(child: Child) -> tuple[Status, int | None]:

@@ -20,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
+from agentrl.sandbox import identity
 from agentrl.sandbox.cgroup import Cgroup
 
 logger = logging.getLogger(__name__)
@@ -100,10 +101,12 @@ class Child:
     def __init__(self, proc: subprocess.Popen[bytes], *, cap: int, isolated: bool,
                  status_r: int, msg_r: int | None = None, stdin_w: int | None = None,
                  cgroup: Cgroup | None = None, work_dir: str | None = None,
-                 gate_w: int | None = None) -> None:
+                 gate_w: int | None = None, uid: int | None = None) -> None:
         assert proc.stdout is not None and proc.stderr is not None
         self.proc, self.cap, self.isolated = proc, cap, isolated
         self.cgroup, self.work_dir = cgroup, work_dir
+        self.uid = uid
+        """The host uid of this sandbox alone (`identity.py`), given back once it is empty."""
         self._owner = os.getpid()
         self._out_fd, self._err_fd = proc.stdout.fileno(), proc.stderr.fileno()
         self._status_r, self._msg_r, self._stdin_w = status_r, msg_r, stdin_w
@@ -357,8 +360,10 @@ class Child:
             self._killpg()
             self.proc.wait()
         self.leaked = not self._verify_empty()
-        if self.leaked:
+        if self.leaked:  # Its uid stays taken: a new sandbox must not share it with them.
             logger.error("sandbox pid %s left processes behind after kill", self.proc.pid)
+        elif self.uid is not None:
+            identity.release(self.uid)
         self._reap_init()
         if self.cgroup is not None:
             self.oom_kills = self.cgroup.oom_kills()

@@ -42,6 +42,13 @@ def _probe(cfg: SandboxConfig, plan: Plan) -> str | None:
     return f"a test program ended with status {result.status!r}: {' | '.join(detail)}"
 
 
+def _uids(cfg: SandboxConfig) -> range | None:
+    """The uids sandboxes run as, one each, when the caller is root (else: the caller's)."""
+    if os.geteuid() != 0:
+        return None
+    return range(cfg.sandbox_uid, cfg.sandbox_uid + cfg.num_sandbox_uids)
+
+
 def _isolated_plan(cfg: SandboxConfig) -> Plan | str:
     """The strongest plan that works here, or why bubblewrap cannot be used."""
     bwrap, python = resolve_bwrap(cfg), resolve_python(cfg)
@@ -50,13 +57,13 @@ def _isolated_plan(cfg: SandboxConfig) -> Plan | str:
     if python is None:
         return (f"no sandbox interpreter: {cfg.python_path or '/usr/bin/python3'} is missing "
                 f"(set SandboxConfig.python_path to a python under /usr or extra_ro_paths)")
-    drop_uid = cfg.sandbox_uid if os.geteuid() == 0 else None
-    seccomp = build_filter() if cfg.seccomp else None
+    uids = _uids(cfg)
+    seccomp = build_filter(shared_uid=uids is None) if cfg.seccomp else None
     has_cgroup = cgroup_factory() is not None
-    plan = Plan(bwrap, python, drop_uid, has_cgroup, seccomp)
+    plan = Plan(bwrap, python, uids, has_cgroup, seccomp)
     why = _probe(cfg, plan)
     if why is not None and has_cgroup:  # The cgroup layer is optional: retry without it.
-        plan = Plan(bwrap, python, drop_uid, False, seccomp)
+        plan = Plan(bwrap, python, uids, False, seccomp)
         if _probe(cfg, plan) is None:
             logger.warning("agentrl.sandbox: running without the cgroup layer: %s", why)
             return plan
@@ -83,8 +90,7 @@ def _unisolated_plan(cfg: SandboxConfig, why: str) -> Plan | str:
     python = resolve_python(cfg)
     if python is None:
         return f"{why}; no interpreter for the unisolated tier either"
-    plan = Plan(None, python, cfg.sandbox_uid if os.geteuid() == 0 else None,
-                cgroup_factory() is not None, None)
+    plan = Plan(None, python, _uids(cfg), cgroup_factory() is not None, None)
     failed = _probe(cfg, plan)
     if failed is not None:
         return f"{why}; the unisolated tier failed too: {failed}"
@@ -132,7 +138,7 @@ class Sandbox:
         return {
             "bubblewrap_namespaces": self._plan.bwrap is not None,
             "cgroup": self._plan.has_cgroup,
-            "drop_root": self._plan.drop_uid is not None,
+            "drop_root": self._plan.uids is not None,  # to a uid of each sandbox's own
             "rlimits": True,
             "seccomp": self._plan.seccomp is not None,
             "wall_deadline_and_output_cap": True,

@@ -17,6 +17,10 @@ Setting file times is denied too (#34 item 8): bubblewrap's --dev binds the host
 `utime(path, NULL)` asks, so the code set the host's /dev/null times. A read-only remount is no
 way out: bubblewrap remounts with nodev, and then the devices cannot be opened at all. The cost:
 `os.utime`, and so `shutil.copy2`/`copystat`, fail with EPERM on the sandbox's own files too.
+Where sandboxes share their host uid with each other and the caller (an unprivileged caller:
+no uid of their own to give them, see `identity.py`), inotify and fanotify are denied as well:
+the kernel counts their instances per host uid (128 by default) through every user namespace,
+and no per-sandbox limit can divide that (#34 item 7).
 Denied calls fail with EPERM rather than killing, so a library probing for io_uring degrades.
 
 Only x86_64 is supported: syscall numbers differ per architecture and an untested table would
@@ -48,6 +52,9 @@ _DENIED_X86_64: dict[str, int] = {
     "process_madvise": 440,
     "utime": 132, "utimes": 235, "futimesat": 261, "utimensat": 280,
 }
+# Per-host-uid quotas, denied only where sandboxes share their uid (`shared_uid`).
+_SHARED_QUOTA_X86_64: dict[str, int] = {"inotify_init": 253, "inotify_init1": 294,
+                                        "fanotify_init": 300}
 _SYS_SOCKET_X86_64 = 41
 _SYS_SOCKETPAIR_X86_64 = 53
 
@@ -67,11 +74,16 @@ def _insn(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
     return struct.pack("=HBBI", code, jt, jf, k)
 
 
-def build_filter() -> bytes | None:
-    """The filter for this machine, or None where the architecture is unsupported."""
+def build_filter(*, shared_uid: bool = False) -> bytes | None:
+    """The filter for this machine, or None where the architecture is unsupported.
+
+    shared_uid: the sandboxes run as one host uid (the caller's); also deny the calls whose
+    per-uid quota they would share.
+    """
     if platform.machine() != "x86_64" or struct.pack("=I", 1)[0] != 1:
         return None
-    denied = sorted(set(_DENIED_X86_64.values()))
+    denied_calls = {**_DENIED_X86_64, **(_SHARED_QUOTA_X86_64 if shared_uid else {})}
+    denied = sorted(set(denied_calls.values()))
     deny_errno = _RET_ERRNO | errno.EPERM
     # Layout: [0] ld arch, [1] jeq arch, [2] ld nr, [3] jge x32, [4..] jeq denied...,
     # then the socket family check (4 insns: socket or socketpair -> load arg0 -> AF_UNIX or

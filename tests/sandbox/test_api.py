@@ -114,6 +114,12 @@ def test_config_validation_messages() -> None:
         SandboxConfig(python_path="python3")
     with pytest.raises(ValueError, match="extra_ro_paths entries must be absolute"):
         SandboxConfig(extra_ro_paths=("/",))
+    with pytest.raises(ValueError, match="sandbox_uid must be an unprivileged uid"):
+        SandboxConfig(sandbox_uid=0)
+    with pytest.raises(ValueError, match="with num_sandbox_uids=2 uids after it below 2"):
+        SandboxConfig(sandbox_uid=2**32 - 2, num_sandbox_uids=2)
+    with pytest.raises(ValueError, match="num_sandbox_uids must be >= 1, got 0"):
+        SandboxConfig(num_sandbox_uids=0)
     with pytest.raises(TypeError):
         SandboxConfig(5.0)  # type: ignore[misc]  # keyword-only
     cfg = SandboxConfig(timeout_s=5.0, memory_mb=512, max_processes=64, max_output_bytes=65536,
