@@ -20,6 +20,7 @@ from servers.generation import (
     off_loop,
     parse_body,
     parse_request,
+    render_cost_us,
     requested_session_id,
 )
 from servers.images import load_images
@@ -113,13 +114,15 @@ async def tokenize(request: Request) -> JSONResponse:
         chars = message_chars(req.messages, req.tools)
         images = await load_images(req.messages, state.config,
                                    vision=state.renderer.processor is not None)
+        cost = render_cost_us(len(req.messages) + len(req.tools or ()), chars)
         rendered = await off_loop(
-            chars, state.renderer.render_chat, req.messages, req.tools,
+            cost, state.renderer.render_chat, req.messages, req.tools,
             add_generation_prompt=req.add_generation_prompt, images=images,
         )
     else:
         prompt = req.prompt or ""
-        rendered = await off_loop(len(prompt), state.renderer.render_text, prompt)
+        rendered = await off_loop(render_cost_us(1, len(prompt)), state.renderer.render_text,
+                                  prompt)
     return JSONResponse(
         {
             "tokens": rendered.ids,

@@ -33,6 +33,7 @@ from servers.generation import (
     parse_request,
     record_call,
     refuse_if_too_long,
+    render_cost_us,
     retry_count,
     run_unless_disconnected,
     sampling_params,
@@ -79,21 +80,10 @@ class ChatCall:
         self.context: str | None = None
 
     async def render(self, images: list[np.ndarray], chars: int) -> None:
-        """The prompt's ids (off the event loop when it is big) and the sampling params. A
-        request that carries back a reply this session's proxy gave continues from the tokens
-        sampled for that reply; anything else is rendered whole."""
+        """The prompt's ids (off the event loop when that costs) and the sampling params."""
         state, req = self.state, self.req
-        rendered = None
-        if self.session is not None:
-            messages = [m.model_dump(exclude_none=True) for m in req.messages]
-            tools = [t.model_dump(exclude_none=True) for t in self.tools or ()]
-            self.context = context_key(messages, tools)
-            if not images:
-                rendered = await off_loop(chars, self._continue_sampled, messages, tools)
-        if rendered is None:
-            rendered = await off_loop(
-                chars, state.renderer.render_chat, req.messages, self.tools, images=images)
-        self.rendered: Rendered = rendered
+        cost = render_cost_us(len(req.messages) + len(self.tools or ()), chars)
+        self.rendered: Rendered = await off_loop(cost, self._render, images)
         self.params = sampling_params(
             state,
             prompt_len=len(self.rendered.ids),
@@ -110,8 +100,22 @@ class ChatCall:
                 "presence_penalty": req.presence_penalty,
             },
             logit_bias=req.logit_bias,
-            grammar=await off_loop(self._schema_chars(), self._grammar),
+            grammar=await off_loop(render_cost_us(0, self._schema_chars()), self._grammar),
         )
+
+    def _render(self, images: list[np.ndarray]) -> Rendered:
+        """A request that carries back a reply this session's proxy gave continues from the
+        tokens sampled for that reply; anything else is rendered whole."""
+        req = self.req
+        if self.session is not None:
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            tools = [t.model_dump(exclude_none=True) for t in self.tools or ()]
+            self.context = context_key(messages, tools)
+            if not images:
+                rendered = self._continue_sampled(messages, tools)
+                if rendered is not None:
+                    return rendered
+        return self.state.renderer.render_chat(req.messages, self.tools, images=images)
 
     def _schema_chars(self) -> int:
         fmt = self.req.response_format

@@ -25,6 +25,7 @@ from servers.generation import (
     parse_request,
     record_call,
     refuse_if_too_long,
+    render_cost_us,
     retry_count,
     run_unless_disconnected,
     sampling_params,
@@ -75,7 +76,8 @@ async def completions(request: Request) -> Response:
         prompt = prompt[0]
     if isinstance(prompt, str):
         refuse_if_too_long(state, len(prompt), "prompt")
-        ids = (await off_loop(len(prompt), state.renderer.render_text, prompt)).ids
+        ids = (await off_loop(render_cost_us(1, len(prompt)), state.renderer.render_text,
+                              prompt)).ids
     else:
         vocab = len(state.tokenizer)
         if any(not 0 <= t < vocab for t in prompt):

@@ -39,11 +39,14 @@ from servers.generation import (
     ClientDisconnected,
     bind_session,
     engine_stream,
+    off_loop,
     parse_request,
+    render_cost_us,
     stored,
 )
 from servers.openai_schemas import (
     ChatCompletionRequest,
+    ChatMessage,
     FunctionCallItem,
     FunctionCallOutputItem,
     InputImage,
@@ -203,9 +206,10 @@ class _Answer:
             "truncation": "disabled", "usage": usage,
         }
 
-    def remember(self, text: ChoiceText) -> None:
+    async def remember(self, text: ChoiceText) -> None:
         """Keep the conversation so that `previous_response_id` can continue it."""
-        messages = [m.model_dump(exclude_none=True) for m in self.call.req.messages]
+        asked = self.call.req.messages
+        messages = await off_loop(render_cost_us(len(asked)), _dumped, asked)
         if self.req.instructions:
             messages = messages[1:]  # instructions are not carried over (as OpenAI does)
         reply: dict = {"role": "assistant", "content": text.content}
@@ -235,7 +239,9 @@ async def create_response(request: Request) -> Response:
                                 f"that answered them); send the conversation's items instead",
                            code="previous_response_not_found", param="previous_response_id")
         history = found
-    chat = _chat_request(req, history)
+    # Each item is converted and validated again as a chat message: 10^4 items take ~0.1 s.
+    chat = await off_loop(render_cost_us(len(history) + len(req.input)), _chat_request, req,
+                          history)
     call = await prepare(state, request, chat)
     answer = _Answer(call, req)
     if call.session is not None:
@@ -259,8 +265,12 @@ async def create_response(request: Request) -> Response:
         output.append(answer.message_item(
             text.content, logprobs["content"] if logprobs is not None else None, status))
     output += [answer.call_item(c) for c in text.calls]
-    answer.remember(text)
+    await answer.remember(text)
     return JSONResponse(answer.body(output, status, completion))
+
+
+def _dumped(messages: list[ChatMessage]) -> list[dict]:
+    return [m.model_dump(exclude_none=True) for m in messages]
 
 
 def _session_id(request: Request, state: ProxyState) -> str | None:
@@ -367,7 +377,7 @@ async def _stream(answer: _Answer, request: Request) -> AsyncIterator[bytes]:
         status = "done"
         call.record([completion], aborted=False, texts=[text])
         await stored(call.state)
-        answer.remember(text)
+        await answer.remember(text)
         yield emit(f"response.{done}", response=answer.body(output, done, completion))
     except asyncio.CancelledError:
         raise  # client disconnected: the engine stream is closed, the call recorded aborted

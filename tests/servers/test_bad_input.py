@@ -276,6 +276,66 @@ def test_big_prompts_are_rendered_off_the_event_loop(make_proxy, tok, monkeypatc
     assert threads[1] != loop_thread
 
 
+@pytest.mark.parametrize("route", ["chat", "responses", "tokenize"])
+def test_many_tiny_messages_are_handled_off_the_event_loop(make_proxy, tok, monkeypatch, route):
+    """#34 item 5: a 400 KB body of 10^4 tiny messages, under the 1 MB and 64K-character
+    thresholds, was parsed and rendered on the event loop (/health stalled 1.2-1.95 s): the
+    work is in the message count, not the bytes, and goes off the loop by its cost. The loop
+    answers /health while the prompt renders (none answered before; a time bound on each
+    answer is left out: on a shared 2-core machine it measures the neighbours)."""
+    import threading
+
+    from servers import generation
+    from servers.render import ChatRenderer
+
+    p = make_proxy(FakeEngine(tok, max_context=1_000_000))
+    threads: dict[str, list[str]] = {"parse": [], "render": []}
+    rendering: list[float] = []  # when the last render started and ended
+    parse, render = generation.parse_body, ChatRenderer.render_chat
+
+    def spy_parse(*a, **k):
+        threads["parse"].append(threading.current_thread().name)
+        return parse(*a, **k)
+
+    def spy_render(self, *a, **k):
+        threads["render"].append(threading.current_thread().name)
+        rendering[:] = [time.perf_counter()]
+        try:
+            return render(self, *a, **k)
+        finally:
+            rendering.append(time.perf_counter())
+
+    monkeypatch.setattr(generation, "parse_body", spy_parse)
+    monkeypatch.setattr(ChatRenderer, "render_chat", spy_render)
+    assert httpx.post(f"{p.url}/v1/chat/completions", json=OK).status_code == 200
+    loop_thread = threads["parse"][0]  # a small request is handled in place, on the loop
+    assert threads["render"] == [loop_thread]
+    # 2 * 10^4 one-character messages: 700 KB and 20K characters, under the old thresholds.
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": "m"}
+            for i in range(20_000)]
+    path, body = {
+        "chat": ("/sessions/many/v1/chat/completions", {**OK, "messages": msgs}),
+        "responses": ("/sessions/many/v1/responses", {"model": "agentrl", "input": msgs}),
+        "tokenize": ("/tokenize", {"messages": msgs}),
+    }[route]
+    result: list[httpx.Response] = []
+    big = threading.Thread(target=lambda: result.append(
+        httpx.post(f"{p.url}{path}", json=body, timeout=120)))
+    answered: list[float] = []
+    with httpx.Client(base_url=p.url) as client:
+        big.start()
+        while big.is_alive():
+            assert client.get("/health").status_code == 200
+            answered.append(time.perf_counter())
+            time.sleep(0.01)
+        big.join()
+    assert result[0].status_code == 200, result[0].text[:300]
+    assert len(threads["parse"]) == 2 and threads["parse"][1] != loop_thread
+    assert len(threads["render"]) == 2 and threads["render"][1] != loop_thread
+    start, end = rendering
+    assert sum(start < t < end for t in answered) >= 3, (end - start, len(answered))
+
+
 def test_long_text_is_tokenized_without_holding_the_gil(embedded_tokenizer):
     """The Rust tokenizer's `encode` holds the GIL (150 ms for 360 KB); long texts go through
     `encode_batch`, which releases it, for the same ids."""
