@@ -52,11 +52,13 @@ def _serve(port: int, engine_kind: str, latency: float, token_latency: float,
             reply=lambda p, _i: "reply " + p.split("session ")[-1].split("<")[0],
         )
     app = create_app(engine, tok, config=ProxyConfig(model_name="m"))
-    if os.environ.get("AGENTRL_BENCH_NO_FREEZE") is None:  # as `agentrl serve` does
-        from servers.serving import freeze_startup_objects
+    from servers.serving import freeze_startup_objects, http_protocol
 
+    if os.environ.get("AGENTRL_BENCH_NO_FREEZE") is None:  # as `agentrl serve` does
         freeze_startup_objects()
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    # The HTTP protocol `agentrl serve` runs (a bound on request heads).
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
+                http=http_protocol())
 
 
 class Conn:
