@@ -2,10 +2,11 @@
 
 Isolated tier, outer to inner, each stage an exec wrapper:
 
-    unshare (caller is root: drop to the sandbox's own uid) -> bwrap (namespaces, no-new-privs,
-    read-only /usr, tmpfs /tmp /work /dev/shm, clearenv, seccomp; waits on --block-fd while the
-    caller moves it into the cgroup) -> prlimit (rlimits) -> sh (NOTICE: "started", stdin
-    /dev/null) -> python3 -I -u
+    unshare (caller is root: a time namespace whose clocks start at zero, then drop to the
+    sandbox's own uid) -> bwrap (namespaces, no-new-privs, read-only /usr, tmpfs /tmp /work
+    /dev/shm, host facts of /proc masked, clearenv, seccomp; waits on --block-fd while the caller
+    moves it into the cgroup) -> prlimit (rlimits) -> sh (NOTICE: "started", stdin /dev/null)
+    -> python3 -I -u
 
 Measured on the 2-core CI machine, the wrappers cost nothing visible next to bwrap's own
 namespace set-up and the interpreter's start (see benchmarks/results/sandbox_overhead.md).
@@ -19,6 +20,12 @@ The same rlimits cap pending signals (RLIMIT_SIGPENDING, also per (user namespac
 POSIX timer holds one, so where sandboxes share a host uid (an unprivileged caller) one of them
 can hold at most MAX_PENDING_SIGNALS of the uid's ~96k, not all of them (#34 item 7).
 
+Host facts of /proc are replaced by bwrap's --ro-bind-data (#34 item 11): /proc/cmdline (the
+host's boot parameters) reads empty, the boot id is random per sandbox, /proc/uptime reads
+"0.00 0.00". The uptime is also in the boot-relative clocks (CLOCK_BOOTTIME, CLOCK_MONOTONIC,
+a process's start time in /proc/PID/stat): where the caller is root the sandbox gets a time
+namespace whose offsets start those clocks at zero; bubblewrap cannot make one unprivileged.
+
 Unisolated tier (explicit opt-in only): sh (joins the cgroup as root, there is no bwrap gate)
 -> setpriv -> prlimit -> sh (NOTICE) -> python, in a fresh 0700 directory.
 """
@@ -29,6 +36,8 @@ import math
 import os
 import shutil
 import sys
+import time
+import uuid
 from dataclasses import dataclass
 
 from agentrl.sandbox.config import SandboxConfig
@@ -68,6 +77,8 @@ class Plan:
     `identity.py`); None when already unprivileged: every sandbox runs as the caller."""
     has_cgroup: bool
     seccomp: bytes | None
+    time_namespace: bool = False
+    """Give each isolated sandbox a time namespace (needs root's CAP_SYS_ADMIN)."""
 
 
 def resolve_bwrap(cfg: SandboxConfig) -> str | None:
@@ -118,15 +129,26 @@ def _root_links() -> list[str]:
     return args
 
 
+def proc_masks() -> dict[str, bytes]:
+    """What the sandbox reads instead of the host's boot facts (fresh per sandbox)."""
+    return {"/proc/cmdline": b"",
+            "/proc/sys/kernel/random/boot_id": f"{uuid.uuid4()}\n".encode(),
+            "/proc/uptime": b"0.00 0.00\n"}
+
+
 def bwrap_args(cfg: SandboxConfig, plan: Plan, *, status_fd: int, seccomp_fd: int | None,
-               code_fd: int | None, code_bytes: int, gate_fd: int | None) -> list[str]:
-    """bubblewrap options: every namespace, nothing of the host but /usr (read-only)."""
+               code_fd: int | None, code_bytes: int, gate_fd: int | None,
+               mask_fds: dict[str, int]) -> list[str]:
+    """bubblewrap options: every namespace, nothing of the host but /usr (read-only); each
+    of `mask_fds` (path -> fd to read its content from) replaces a file of /proc."""
     assert plan.bwrap is not None
     size = str(cfg.disk_mb * _MB)
     args = [plan.bwrap, "--unshare-all", "--unshare-user", "--disable-userns",
             "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-            "--ro-bind", "/usr", "/usr", *_root_links()]
-    args += ["--proc", "/proc", "--dev", "/dev",
+            "--ro-bind", "/usr", "/usr", *_root_links(), "--proc", "/proc"]
+    for path, fd in mask_fds.items():
+        args += ["--ro-bind-data", str(fd), path]
+    args += ["--dev", "/dev",
              "--size", size, "--tmpfs", "/dev/shm",
              "--size", size, "--tmpfs", "/tmp",
              # The work dir also holds the code, so it is sized to fit even a 14 MB program.
@@ -147,11 +169,16 @@ def bwrap_args(cfg: SandboxConfig, plan: Plan, *, status_fd: int, seccomp_fd: in
 
 
 def isolated_outer_args(plan: Plan, uid: int | None) -> list[str]:
-    """The stage before bwrap when the caller is root: the sandbox's own uid (and gid, no
-    supplementary groups). bwrap sets no-new-privs itself."""
+    """The stage before bwrap when the caller is root: a time namespace whose boot-relative
+    clocks read zero now, then the sandbox's own uid (and gid, no supplementary groups).
+    bwrap sets no-new-privs itself."""
     if uid is None:
         return []
-    return ["unshare", f"--setgid={uid}", f"--setuid={uid}", "--"]
+    args = ["unshare"]
+    if plan.time_namespace:
+        boottime = int(time.clock_gettime(time.CLOCK_BOOTTIME))
+        args += ["--time", f"--monotonic=-{int(time.monotonic())}", f"--boottime=-{boottime}"]
+    return [*args, f"--setgid={uid}", f"--setuid={uid}", "--"]
 
 
 def unisolated_outer_args(procs_files: list[str], uid: int | None) -> list[str]:

@@ -24,6 +24,7 @@ from agentrl.sandbox.command import (
     bwrap_args,
     isolated_env,
     isolated_outer_args,
+    proc_masks,
     rlimit_args,
     unisolated_env,
     unisolated_outer_args,
@@ -152,10 +153,11 @@ def _isolated_argv(cfg: SandboxConfig, plan: Plan, code: bytes | None, uid: int 
     """unshare (when root) and bwrap, with the memfds bwrap reads added to `parent_fds`."""
     code_fd = None if code is None else _memfd("agentrl-code", code)
     seccomp_fd = None if plan.seccomp is None else _memfd("agentrl-seccomp", plan.seccomp)
-    parent_fds += [fd for fd in (code_fd, seccomp_fd) if fd is not None]
+    mask_fds = {path: _memfd("agentrl-mask", content) for path, content in proc_masks().items()}
+    parent_fds += [fd for fd in (code_fd, seccomp_fd, *mask_fds.values()) if fd is not None]
     return [*isolated_outer_args(plan, uid),
             *bwrap_args(cfg, plan, status_fd=status_w, seccomp_fd=seccomp_fd, code_fd=code_fd,
-                        code_bytes=len(code or b""), gate_fd=gate_r)]
+                        code_bytes=len(code or b""), gate_fd=gate_r, mask_fds=mask_fds)]
 
 
 def exit_status(child: Child) -> tuple[Status, int | None]:

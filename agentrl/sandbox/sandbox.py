@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import threading
 import time
 
-from agentrl.sandbox.command import Plan, resolve_bwrap, resolve_python
+from agentrl.sandbox.command import Plan, isolated_env, resolve_bwrap, resolve_python
 from agentrl.sandbox.config import (
     ALLOW_UNISOLATED_ENV,
     ExecResult,
@@ -49,6 +50,17 @@ def _uids(cfg: SandboxConfig) -> range | None:
     return range(cfg.sandbox_uid, cfg.sandbox_uid + cfg.num_sandbox_uids)
 
 
+def _time_namespaces_work() -> bool:
+    """Whether `unshare --time` works here (root with CAP_SYS_ADMIN, Linux >= 5.6)."""
+    try:
+        done = subprocess.run(["unshare", "--time", "--", "/bin/true"], env=isolated_env(),
+                              stdin=subprocess.DEVNULL, capture_output=True, timeout=30,
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
 def _isolated_plan(cfg: SandboxConfig) -> Plan | str:
     """The strongest plan that works here, or why bubblewrap cannot be used."""
     bwrap, python = resolve_bwrap(cfg), resolve_python(cfg)
@@ -60,10 +72,11 @@ def _isolated_plan(cfg: SandboxConfig) -> Plan | str:
     uids = _uids(cfg)
     seccomp = build_filter(shared_uid=uids is None) if cfg.seccomp else None
     has_cgroup = cgroup_factory() is not None
-    plan = Plan(bwrap, python, uids, has_cgroup, seccomp)
+    time_namespace = uids is not None and _time_namespaces_work()
+    plan = Plan(bwrap, python, uids, has_cgroup, seccomp, time_namespace)
     why = _probe(cfg, plan)
     if why is not None and has_cgroup:  # The cgroup layer is optional: retry without it.
-        plan = Plan(bwrap, python, uids, False, seccomp)
+        plan = Plan(bwrap, python, uids, False, seccomp, time_namespace)
         if _probe(cfg, plan) is None:
             logger.warning("agentrl.sandbox: running without the cgroup layer: %s", why)
             return plan
@@ -141,6 +154,7 @@ class Sandbox:
             "drop_root": self._plan.uids is not None,  # to a uid of each sandbox's own
             "rlimits": True,
             "seccomp": self._plan.seccomp is not None,
+            "time_namespace": self._plan.time_namespace,
             "wall_deadline_and_output_cap": True,
         }
 

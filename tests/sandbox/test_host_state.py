@@ -1,7 +1,8 @@
-"""What of the host a sandbox can change beyond its own files (#34 item 8)."""
+"""What of the host a sandbox can see or change beyond its own files (#34 items 8 and 11)."""
 
 from __future__ import annotations
 
+import ast
 import os
 from collections.abc import Iterator
 
@@ -9,7 +10,7 @@ import pytest
 
 from agentrl.sandbox import Sandbox
 
-from ._helpers import assert_contained
+from ._helpers import FAST, assert_contained
 
 
 @pytest.fixture(autouse=True)
@@ -60,3 +61,31 @@ def test_setting_file_times_is_denied_inside_too(sb: Sandbox) -> None:
                "print(open('b').read())")
     assert (r.status, r.stdout) == ("ok", "denied\nx\n"), r
 
+
+def _host(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def test_host_boot_facts_are_masked(sb: Sandbox) -> None:
+    """#34 item 11: /proc/cmdline (boot parameters), the boot id and the uptime are the host's.
+    The files are replaced; where the sandbox has a time namespace (the caller is root) the
+    boot-relative clocks start at the sandbox's own start as well."""
+    code = (
+        "import time\n"
+        "for path in ('/proc/cmdline', '/proc/sys/kernel/random/boot_id', '/proc/uptime'):\n"
+        "    print(repr(open(path).read()))\n"
+        "print(time.clock_gettime(time.CLOCK_BOOTTIME), time.monotonic())\n"
+        "ticks = int(open('/proc/self/stat').read().rsplit(')', 1)[1].split()[19])\n"
+        "print(ticks / __import__('os').sysconf('SC_CLK_TCK'))"
+    )
+    result = sb.run(code)
+    assert result.status == "ok", result
+    cmdline, boot_id, uptime, clocks, started = result.stdout.splitlines()
+    assert ast.literal_eval(cmdline) == ""
+    assert ast.literal_eval(boot_id) != _host("/proc/sys/kernel/random/boot_id")
+    assert ast.literal_eval(uptime) == "0.00 0.00\n"
+    if sb.layers["time_namespace"]:
+        boottime, monotonic = map(float, clocks.split())
+        assert boottime < FAST.timeout_s and monotonic < FAST.timeout_s, result.stdout
+        assert float(started) < FAST.timeout_s, result.stdout
