@@ -8,10 +8,16 @@ then the UTF-8 code; (guest -> host on the fd named in argv[2]) one line per cal
 flushed, so the host has all of a call's output once it sees the line.
 
 User code runs in this process, so it can reach the reply pipe; the token ties a reply to its
-call, so a line the code writes (without digging the token out of this module's frames) is
-not a reply, and the host ends the interpreter on any line that is not the awaited reply.
-What the reply is built from is bound before user code runs (no json, no module attribute
-lookups), so monkeypatching `os.write` or `json.dumps` in a cell changes nothing here.
+call, so a line the code writes without the token is not a reply, and the host ends the
+interpreter on any line that is not the awaited reply. What the reply is built from is bound
+before user code runs, so a cell that merely rebinds `os.write` changes nothing here.
+
+This is not a boundary against a cell that sets out to take over the session (#34 item 9): it
+runs with everything this process has. It can read the token from this module's frames, the
+next calls' tokens from the control pipe, swap the code of `_run_cell`, or install a trace
+function that rewrites its locals, and then answer later calls without running them. No
+channel design fixes that while the session's state lives in the process the cell ran in; see
+the package docstring for what a session does and does not promise.
 
 stdin is /dev/null (an `input()` ends at once), and the code runs in one namespace like a
 notebook cell: the value of a trailing expression is printed.

@@ -11,7 +11,9 @@ sandbox is stopped (SIGSTOP, all threads), and the next call continues them, so 
 call left spinning costs no CPU while the session waits and its work is charged to the calls
 it runs in. Each call carries a random token that its reply must echo; a reply line that is
 not the awaited one (code that wrote to the protocol pipe) ends the interpreter with an error
-instead of letting later calls receive earlier calls' output.
+instead of letting later calls receive earlier calls' output. That keeps accidents and naive
+writes from shifting outputs between calls; it does not stop a call's code from taking over
+the interpreter and forging later calls' results (guest.py says how, #34 item 9).
 """
 
 from __future__ import annotations

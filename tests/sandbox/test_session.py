@@ -342,3 +342,18 @@ def test_a_flood_on_the_protocol_pipe_is_capped_where_it_is_read(sb: Sandbox) ->
         assert peak_mib < 16, peak_mib
         after = s.run("print(6 * 7)")
         assert (after.status, after.stdout, after.session_restarted) == ("ok", "42\n", True)
+
+
+def test_a_cell_that_takes_over_its_interpreter_reaches_no_other_session(sb: Sandbox) -> None:
+    """#34 item 9: a call's code runs in the session's interpreter, so it can make the
+    session's later calls report whatever it likes (guest.py lists ways; no protocol can stop
+    code that owns the process). What sessions promise is that this stays inside the session."""
+    takeover = ("import sys\ndef forged(source, namespace, filename):\n    print('forged')\n"
+                "    return 0, None\nsys.modules['__main__']._run_cell.__code__ = forged.__code__")
+    with sb.session() as taken, sb.session() as neighbour:
+        assert taken.run(takeover).status == "ok"
+        # The documented limit; if this starts failing, guest.py's docstring is out of date.
+        assert taken.run("print('real'); 1 / 0").stdout == "forged\n"
+        assert neighbour.run("print('real')").stdout == "real\n"
+    with sb.session() as later:
+        assert later.run("print('real')").stdout == "real\n"
