@@ -8,8 +8,10 @@
 
 Order of precedence: flags > --config file > the preset (--preset NAME, else the env's own)
 > defaults. Presets: math-tir (easy+medium, evaluated on medium), math-tir-easy, screen-click,
-digits. Every check runs before a model is loaded; the resolved config is saved as
-run_dir/config.json.
+digits. A preset's learning rate is its model's: --actor.model takes the rate the preset
+measured for that model, and a model it was not measured on needs --actor.lr. Every check runs
+before Ray starts or a model is loaded (a model its engine or env cannot use included); the
+resolved config is saved as run_dir/config.json.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 from pathlib import Path
 
 from agentrl.command_line import deferred_validation, parse_flags
-from trainers.config import TrainConfig, config_from_dict
+from trainers.config import TrainConfig, check_model, check_model_name, config_from_dict
 from trainers.presets import PRESETS, preset_for
 from trainers.quiet import quiet_third_party
 
@@ -31,6 +33,8 @@ def build_config(argv: list[str]) -> TrainConfig:
     pre.add_argument("--env", default=None)
     pre.add_argument("--config", default=None)
     pre.add_argument("--preset", default=None)
+    pre.add_argument("--actor.model", dest="model", default=None)
+    pre.add_argument("--actor.lr", dest="lr", default=None)
     known, _ = pre.parse_known_args(argv)
     if known.preset is not None and known.preset not in PRESETS:
         raise ValueError(f"--preset {known.preset!r} is not a preset; choose one of "
@@ -45,10 +49,19 @@ def build_config(argv: list[str]) -> TrainConfig:
     env = known.env or file_cfg.get("env") or ("single-turn" if dataset else TrainConfig().env)
     rest = _drop_flag(_drop_flag(argv, "--config"), "--preset")
 
+    # A preset's learning rate is its model's: another model takes the rate the preset measured
+    # for it, or needs --actor.lr (#34).
+    file_actor = file_cfg.get("actor", {})
+    model = known.model or file_actor.get("model")
+    lr_given = known.lr is not None or "lr" in file_actor
+    if model is not None:
+        check_model_name(model)  # before a preset looks its learning rate up
     with deferred_validation():  # checked once, with the flags applied (by parse_flags)
-        preset = PRESETS[known.preset]() if known.preset else preset_for(env)
+        preset = preset_for(known.preset or env, model, lr_given=lr_given)
         base = config_from_dict(file_cfg, preset)
-        return parse_flags(TrainConfig, rest, prog="agentrl train", doc=__doc__, default=base)
+        cfg = parse_flags(TrainConfig, rest, prog="agentrl train", doc=__doc__, default=base)
+    check_model(cfg)  # the model against its engine and env, before Ray or a model starts
+    return cfg
 
 
 def _dataset_shorthand(argv: list[str]) -> list[str]:

@@ -472,6 +472,9 @@ class TrainConfig:
                 f"--backend cpu holds CPU-only speed-ups and trains on the CPU, but --actor.device "
                 f"is {self.actor.device}: use --backend local (or auto) on a GPU"
             )
+        if ro.enable_sleep and self.actor.device == "cpu":
+            raise ValueError("--rollout.enable_sleep is vLLM's CUDA sleep mode, but --actor.device "
+                             "is cpu: drop --rollout.enable_sleep, or use --actor.device cuda")
         if self.backend in DISTRIBUTED:
             if not self.use_ray or ro.mode != "placed":
                 raise ValueError(
@@ -568,6 +571,43 @@ class TrainConfig:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n")
+
+
+def check_model_name(model: str) -> None:
+    """ValueError (did-you-mean) unless --actor.model is a model's name or directory; builds
+    nothing."""
+    from agentrl.models import available_models, model_dir
+    from agentrl.models.named import canonical_model_name
+
+    if canonical_model_name(model) not in available_models():
+        try:
+            model_dir(model)  # a path, read as one: no model is built
+        except ValueError as e:
+            raise ValueError(f"--actor.model: {e}") from None
+
+
+def check_model(cfg: TrainConfig) -> None:
+    """The run's model against its engine and its env, told from names and config files
+    (agentrl.models.named): a ValueError in one line naming the flags and the fix. Builds no
+    model and starts nothing; `agentrl train` runs it before Ray starts. (TrainConfig's own
+    checks compare flags with flags; this one reads the model and env registries.)"""
+    from agentrl.models.named import check_engine_loads, sees_images
+
+    model = cfg.actor.model
+    check_model_name(model)
+    check_engine_loads(cfg.rollout.engine, model, engine_flag="--rollout.engine",
+                       model_flag="--actor.model")
+    if cfg.agent:
+        return  # an outside agent's sessions: no env is built
+    from agentrl.envs import resolve_env_id
+    from agentrl.envs.registry import env_factory
+
+    if getattr(env_factory(resolve_env_id(cfg.env)), "shows_images", False) and (
+        sees_images(model) is False
+    ):
+        raise ValueError(f"--env {cfg.env} shows images, but --actor.model {model} is a "
+                         f"text-only model: use --actor.model embedded-vlm (the built-in "
+                         f"vision-language model) or a vision-language model's directory")
 
 
 def config_from_dict(d: dict, base: TrainConfig | None = None) -> TrainConfig:

@@ -1,12 +1,26 @@
 """Named presets: Python functions returning a TrainConfig. `agentrl train --env X` starts from
-the preset registered for X (if any), then applies --config and flags on top."""
+the preset registered for X (if any), then applies --config and flags on top.
+
+A preset's learning rate belongs to the model it was measured on: each preset records the rates
+measured per model (`LEARNING_RATES`), `--actor.model` picks that model's, and a model the
+preset was not measured on needs --actor.lr (`preset_for` refuses it otherwise)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
 
+from agentrl.models.embedded import EMBEDDED_NAME
+from agentrl.models.named import canonical_model_name
 from trainers.config import ActorConfig, AlgoConfig, RolloutConfig, TrainConfig
+
+MATH_TIR_LRS = {EMBEDDED_NAME: 1e-5}
+"""math-tir's learning rate per model (benchmarks/results/math_tir_medium.md)."""
+SCREEN_CLICK_LRS = {"embedded-vlm": 2e-5}
+DIGITS_LRS = {"tiny": 3e-3, EMBEDDED_NAME: 3e-5}
+"""digits' learning rate per model. The tiny model's 3e-3 takes the embedded model's entropy
+from 3.3 to 0.8 in one step and to 0 in two (reward 0 after); 3e-5 lowers it step by step while
+reward reaches ~1.0 by step 7 (benchmarks/results/digits_learning_rates.md)."""
 
 
 def math_tir() -> TrainConfig:
@@ -19,7 +33,7 @@ def math_tir() -> TrainConfig:
         env="math-tir",
         env_kwargs={"split": "train", "tasks": "basic_arithmetic", "difficulty": "easy,medium"},
         eval_env_kwargs={"split": "eval", "difficulty": "medium"},
-        actor=ActorConfig(lr=1e-5),
+        actor=ActorConfig(lr=MATH_TIR_LRS[EMBEDDED_NAME]),
         algo=AlgoConfig(estimator="group_norm"),
         rollout=RolloutConfig(
             n_samples_per_prompt=4, prompts_per_step=4, max_new_tokens=64, max_turns=2,
@@ -57,7 +71,7 @@ def screen_click() -> TrainConfig:
         env="screen-click",
         env_kwargs={"split": "train"},
         eval_env_kwargs={"split": "eval"},
-        actor=ActorConfig(model="embedded-vlm", lr=2e-5),
+        actor=ActorConfig(model="embedded-vlm", lr=SCREEN_CLICK_LRS["embedded-vlm"]),
         algo=AlgoConfig(estimator="group_norm"),
         rollout=RolloutConfig(
             n_samples_per_prompt=4, prompts_per_step=8, max_new_tokens=12, max_turns=3,
@@ -73,10 +87,11 @@ def screen_click() -> TrainConfig:
 
 
 def digits() -> TrainConfig:
-    """Tiny model, tiny task: reward rises within a few dozen steps on a CPU."""
+    """Tiny model, tiny task: reward rises within a few dozen steps on a CPU. With
+    `--actor.model smollm2-135m-instruct` the rate measured for it (`DIGITS_LRS`)."""
     return TrainConfig(
         env="digits",
-        actor=ActorConfig(model="tiny", lr=3e-3, max_grad_norm=1.0),
+        actor=ActorConfig(model="tiny", lr=DIGITS_LRS["tiny"], max_grad_norm=1.0),
         algo=AlgoConfig(estimator="group_norm"),
         rollout=RolloutConfig(n_samples_per_prompt=4, prompts_per_step=8, max_new_tokens=8),
         steps=30,
@@ -96,8 +111,33 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
 }
 
 
-def preset_for(env: str) -> TrainConfig:
-    """The preset registered for an env name, else the defaults with that env."""
-    if env in PRESETS:
-        return PRESETS[env]()
-    return dataclasses.replace(TrainConfig(), env=env, run_dir=f"runs/{env.replace('/', '_')}")
+LEARNING_RATES: dict[Callable[[], TrainConfig], dict[str, float]] = {
+    math_tir: MATH_TIR_LRS,
+    math_tir_easy: MATH_TIR_LRS,
+    screen_click: SCREEN_CLICK_LRS,
+    digits: DIGITS_LRS,
+}
+"""Each preset's learning rate for each model it was measured on (the preset's own model
+first)."""
+
+
+def preset_for(name: str, model: str | None = None, *, lr_given: bool = False) -> TrainConfig:
+    """The preset registered as `name` (a preset's or an env's name), else the defaults with that
+    env. With `model` (--actor.model) other than the preset's own: the preset with the learning
+    rate it records for that model; for a model it was not measured on a ValueError naming
+    --actor.lr, unless the rate is given (`lr_given`: by --actor.lr or the --config file)."""
+    if name not in PRESETS:
+        return dataclasses.replace(TrainConfig(), env=name,
+                                   run_dir=f"runs/{name.replace('/', '_')}")
+    cfg = PRESETS[name]()
+    own = canonical_model_name(cfg.actor.model)
+    if model is None or lr_given or canonical_model_name(model) == own:
+        return cfg
+    rates = LEARNING_RATES[PRESETS[name]]
+    lr = rates.get(canonical_model_name(model))
+    if lr is None:
+        measured = " and ".join(f"{m} (--actor.lr {r:g})" for m, r in rates.items())
+        raise ValueError(f"the {name} preset's learning rate was measured with {measured} only; "
+                         f"--actor.model {model} needs --actor.lr too (a rate for that model, e.g. "
+                         f"{TrainConfig().actor.lr:g} as without a preset)")
+    return dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, model=model, lr=lr))
