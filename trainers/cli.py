@@ -17,6 +17,7 @@ resolved config is saved as run_dir/config.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -58,10 +59,23 @@ def build_config(argv: list[str]) -> TrainConfig:
         check_model_name(model)  # before a preset looks its learning rate up
     with deferred_validation():  # checked once, with the flags applied (by parse_flags)
         preset = preset_for(known.preset or env, model, lr_given=lr_given)
-        base = config_from_dict(file_cfg, preset)
+        base = _agent_evals(config_from_dict(file_cfg, preset), argv)
         cfg = parse_flags(TrainConfig, rest, prog="agentrl train", doc=__doc__, default=base)
     check_model(cfg)  # the model against its engine and env, before Ray or a model starts
     return cfg
+
+
+def _agent_evals(base: TrainConfig, argv: list[str]) -> TrainConfig:
+    """An agent run is evaluated on its own held-out tasks (--agent_eval_tasks), never on the
+    preset env's problems: without that file the preset's evals are off (issue #32)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flag in ("--agent", "--agent_eval_tasks"):
+        pre.add_argument(flag, default=None)
+    known, _ = pre.parse_known_args(argv)
+    agent = known.agent or base.agent
+    if not agent or known.agent_eval_tasks or base.agent_eval_tasks:
+        return base
+    return dataclasses.replace(base, eval_problems=0, eval_every=0, keep_best=None)
 
 
 def _dataset_shorthand(argv: list[str]) -> list[str]:

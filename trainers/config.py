@@ -351,6 +351,11 @@ class TrainConfig:
     """"module:function" scoring reward(task, agent_result) -> float, for --agent (or
     --reward.url: a reward service scores {"prompt": task, "response": result, "label":
     task["label"]})."""
+    agent_eval_tasks: str | None = None
+    """JSON-lines file of held-out tasks for an agent run's evals (before and after training,
+    and --eval_every): its first --eval_problems tasks, each run --eval_samples times through
+    the proxy as in training and scored by the same reward; an episode is solved when its
+    reward is >= 1. Without it an agent run has no evals."""
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     reward_fn: str | None = None
@@ -496,16 +501,33 @@ class TrainConfig:
         if self.num_policy_workers > 1:
             check_sharded_4bit(self.actor, self.backend, self.zero_stage,
                                "--num_policy_workers")
-        if self.agent and not (self.agent_tasks and (self.agent_reward or self.reward.url)):
+        self._check_agent()
+        self._check_dataset()
+
+    def _check_agent(self) -> None:
+        """An agent run's flags go together; its task files are read and checked here, before
+        any model loads."""
+        if not self.agent:
+            if self.agent_eval_tasks:
+                raise ValueError("--agent_eval_tasks holds an agent run's held-out tasks: it "
+                                 "needs --agent")
+            return
+        if not (self.agent_tasks and (self.agent_reward or self.reward.url)):
             raise ValueError("--agent needs --agent_tasks FILE.jsonl and --agent_reward module:fn "
                              "(or --reward.url, a reward service: `agentrl reward-serve`)")
-        if self.agent and self.agent_reward and self.reward.url:
+        if self.agent_reward and self.reward.url:
             raise ValueError("--agent: pass --agent_reward (a function) or --reward.url (a reward "
                              "service), not both")
-        if self.agent and self.reward.model:
+        if self.reward.model:
             raise ValueError("--reward.model scores single-turn --dataset runs; an --agent is "
                              "scored by --agent_reward or --reward.url")
-        self._check_dataset()
+        if self.eval_problems and not self.agent_eval_tasks:
+            raise ValueError(f"--eval_problems {self.eval_problems}: an agent run is evaluated "
+                             f"on held-out tasks of its own: pass --agent_eval_tasks "
+                             f"FILE.jsonl (or --eval_problems 0)")
+        load_tasks(self.agent_tasks, "--agent_tasks")
+        if self.agent_eval_tasks:
+            load_tasks(self.agent_eval_tasks, "--agent_eval_tasks")
 
     def _check_dataset(self) -> None:
         """--dataset and --reward_fn go together, with the single-turn env; the file, its
@@ -642,3 +664,23 @@ def _check_name(flag: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ValueError(
             f"{flag} {value!r} is unknown.{did_you_mean} Choose one of: {', '.join(allowed)}"
         )
+
+
+def load_tasks(path: str | None, flag: str = "--agent_tasks") -> list[object]:
+    """The tasks of a JSON-lines file (one JSON value a line; blank lines skipped), or a
+    ValueError naming the flag, or the file and line that is not JSON."""
+    if not path or not Path(path).is_file():
+        raise ValueError(f"{flag} {path!r} does not exist")
+    tasks = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                tasks.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{flag}: {path}:{number} is not a JSON value ({e.msg}); the "
+                                 f"file needs one JSON task a line") from None
+    if not tasks:
+        raise ValueError(f"{flag} {path} holds no tasks")
+    return tasks

@@ -12,7 +12,7 @@ from agentrl.completion import SamplingParams
 from agentrl.plugins import load_callable
 from agentrl.seeding import derive_seed
 from agentrl.types import Trajectory
-from trainers.config import TrainConfig
+from trainers.config import TrainConfig, load_tasks
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +46,14 @@ def env_factory(cfg: TrainConfig, tokenizer: Any, *, eval_split: bool = False) -
 
 def eval_setting(cfg: TrainConfig) -> dict[str, Any]:
     """What the run's evals measure, for the record: the env and the arguments that choose its
-    held-out problems (split, tasks, difficulty, ...), how many, and how they are sampled."""
+    held-out problems (split, tasks, difficulty, ...), how many, and how they are sampled. An
+    agent run's: the agent, its held-out task file, and the agent's own sampling."""
     import json
 
+    if cfg.agent:
+        return {"env": f"agent {cfg.agent}", "tasks": cfg.agent_eval_tasks,
+                "problems": cfg.eval_problems, "samples_per_problem": cfg.eval_samples,
+                "temperature": "as the agent sets it"}
     chosen = {k: v for k, v in env_kwargs(cfg, eval_split=True).items()
               if isinstance(v, str | int | float | bool | list | dict)}
     return {"env": cfg.env, **json.loads(json.dumps(chosen, default=str)),
@@ -103,12 +108,27 @@ def collect_agent_episodes(
     """Run the configured black-box agent through the recording proxy: prompt i of the step is
     task `seeds[i] % len(tasks)`, run n_samples_per_prompt times as one group, each episode
     scored by --agent_reward or by the reward service of --reward.url."""
+    tasks = load_tasks(cfg.agent_tasks, "--agent_tasks")
+    _warn_unused_budgets(cfg)
+    picked = [tasks[s % len(tasks)] for s in seeds]
+    return run_agent_episodes(engine, cfg, tokenizer, picked,
+                              n_samples=cfg.rollout.n_samples_per_prompt,
+                              group_prefix=group_prefix(step))
+
+
+def run_agent_episodes(
+    engine: Any, cfg: TrainConfig, tokenizer: Any, tasks: list[Any], *, n_samples: int,
+    group_prefix: str,
+) -> list[Trajectory]:
+    """The run's agent on `tasks` (n_samples episodes each, task i's a group), each episode a
+    session of a proxy over `engine`, scored by --agent_reward or --reward.url."""
     import asyncio
 
     from servers.agents import remote_agent_reward, run_agents
     from servers.app import create_app
     from servers.config import ProxyConfig
 
+    assert cfg.agent is not None  # an agent run's (checked by the config)
     agent_fn = load_callable(cfg.agent)
     if cfg.agent_reward:
         reward_fn = load_callable(cfg.agent_reward)
@@ -116,20 +136,17 @@ def collect_agent_episodes(
         assert cfg.reward.url is not None
         reward_fn = remote_agent_reward(cfg.reward.url, timeout_s=cfg.reward.timeout_s,
                                         retries=cfg.reward.retries, max_batch=cfg.reward.max_batch)
-    tasks = load_tasks(cfg.agent_tasks)
-    _warn_unused_budgets(cfg)
-    picked = [tasks[s % len(tasks)] for s in seeds]
     # Agents may name the policy "agentrl" or by its model name; both are served.
     app = create_app(engine, tokenizer, config=ProxyConfig(aliases=(cfg.actor.model,)))
     return asyncio.run(
         run_agents(
             agent_fn,
-            picked,
+            tasks,
             app=app,
             reward_fn=reward_fn,
             concurrency=cfg.rollout.max_concurrency,
-            n_samples_per_task=cfg.rollout.n_samples_per_prompt,
-            group_prefix=group_prefix(step),
+            n_samples_per_task=n_samples,
+            group_prefix=group_prefix,
         )
     )
 
@@ -150,23 +167,14 @@ def _warn_unused_budgets(cfg: TrainConfig) -> None:
     )
 
 
-def load_tasks(path: str | None) -> list[Any]:
-    import json
-    from pathlib import Path
-
-    if not path or not Path(path).is_file():
-        raise ValueError(f"--agent_tasks {path!r} does not exist")
-    tasks = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    if not tasks:
-        raise ValueError(f"--agent_tasks {path} holds no tasks")
-    return tasks
-
-
 def evaluate_engine(engine: Any, cfg: TrainConfig, tokenizer: Any) -> dict[str, Any]:
-    """pass@1 / pass@k on the env's held-out split (`eval_env_kwargs`)."""
+    """pass@1 / pass@k on the env's held-out split (`eval_env_kwargs`), or an agent run's on
+    its held-out tasks (--agent_eval_tasks)."""
     from agentrl.rollout.evaluate import evaluate
 
-    result = evaluate(
+    if cfg.agent:
+        return _eval_record(cfg, evaluate_agent(engine, cfg, tokenizer))
+    return _eval_record(cfg, evaluate(
         engine,
         env_factory(cfg, tokenizer, eval_split=True),
         num_problems=cfg.eval_problems,
@@ -176,7 +184,10 @@ def evaluate_engine(engine: Any, cfg: TrainConfig, tokenizer: Any) -> dict[str, 
         max_episode_tokens=cfg.rollout.max_episode_tokens,
         progress=cfg.progress,
         env_timeout_s=cfg.rollout.env_timeout_s,
-    )
+    ))
+
+
+def _eval_record(cfg: TrainConfig, result: Any) -> dict[str, Any]:
     return {
         "pass@1": result.pass_at_1,
         "pass@1_ci95": result.pass_at_1_ci95,
@@ -187,3 +198,26 @@ def evaluate_engine(engine: Any, cfg: TrainConfig, tokenizer: Any) -> dict[str, 
         "trajectories": result.trajectories,
         "rates": result.rates(),
     }
+
+
+def evaluate_agent(engine: Any, cfg: TrainConfig, tokenizer: Any) -> Any:
+    """The agent on the first --eval_problems tasks of --agent_eval_tasks, --eval_samples
+    episodes each, through the proxy as in training: an `EvalResult` (pass@1 with its interval,
+    pass@k, mean return) over episodes, an episode solved when its reward is >= 1. A session
+    split in segments counts once, by the segment holding its reward; all are kept."""
+    import dataclasses
+
+    from agentrl.rollout.evaluate import score
+
+    tasks = load_tasks(cfg.agent_eval_tasks, "--agent_eval_tasks")[: cfg.eval_problems]
+    trajs = run_agent_episodes(engine, cfg, tokenizer, tasks, n_samples=cfg.eval_samples,
+                               group_prefix="eval-")
+    by_session: dict[str, Trajectory] = {}
+    for t in trajs:
+        t.info["prompt_index"] = int(t.info.get("task_index", 0))
+        sid = str(t.info.get("session_id", t.uid))
+        held = by_session.get(sid)
+        if held is None or abs(t.total_reward) > abs(held.total_reward):
+            by_session[sid] = t
+    return dataclasses.replace(score(list(by_session.values()), cfg.eval_samples),
+                               trajectories=trajs)
