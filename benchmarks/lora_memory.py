@@ -69,7 +69,7 @@ def _rl(model: str, steps: int, lora: int, four_bit: bool) -> dict:
     from trainers.cli import build_config
     from trainers.policy import PolicyWorker
 
-    argv = ["--env", "digits", "--actor.model", model, "--use_ray", "false",
+    argv = ["--env", "digits", "--actor.model", model, "--actor.lr", "1e-5", "--use_ray", "false",
             "--algo.kl_coef", "0.05", "--rollout.max_new_tokens", "32"]
     if lora:
         argv += ["--actor.lora_rank", str(lora), "--actor.lora_alpha", str(2 * lora)]

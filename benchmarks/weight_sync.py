@@ -32,7 +32,8 @@ def main() -> None:
     from trainers.rollout_engines import EngineWorker
     from trainers.rollout_worker import RolloutWorker, weight_buckets
 
-    cfg = build_config(["--env", "digits", "--actor.model", args.model, "--rollout.mode",
+    cfg = build_config(["--env", "digits", "--actor.model", args.model, "--actor.lr", "1e-5",
+                        "--rollout.mode",
                         "placed", "--rollout.num_engines", str(args.engines)])
     init_ray()
     try:

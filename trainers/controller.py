@@ -38,7 +38,7 @@ from trainers.checkpoint import (
     save_checkpoint,
     set_aside_earlier_run,
 )
-from trainers.config import TrainConfig
+from trainers.config import TrainConfig, check_model
 from trainers.metrics import MetricsLogger
 from trainers.rl_step import (
     MAX_REFILLS,
@@ -133,6 +133,7 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
+        check_model(cfg)  # as `agentrl train` does: Python callers get the same refusals
         if not cfg.resume and (aside := set_aside_earlier_run(self.run_dir)) is not None:
             logger.warning("%s held an earlier run: moved it to %s (to continue that run "
                            "instead, pass --resume auto)", self.run_dir, aside)

@@ -58,3 +58,18 @@ def test_vllm_with_a_model_it_loads_passes_the_checks(nothing_starts):
 
     cfg = build_config(["--env", "digits", *VLLM_EMBEDDED])
     assert (cfg.rollout.engine, cfg.actor.model) == ("vllm", "smollm2-135m-instruct")
+
+
+def test_a_trainer_built_in_python_gets_the_same_refusal_before_ray(tmp_path, monkeypatch):
+    """`Trainer(cfg).run()` (no CLI) checks the model too, before Ray or any worker starts."""
+    import ray
+
+    from trainers.config import ActorConfig, RolloutConfig, TrainConfig
+    from trainers.controller import Trainer
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started"))
+    cfg = TrainConfig(env="digits", actor=ActorConfig(model="tiny"),
+                      rollout=RolloutConfig(engine="vllm"), run_dir=str(tmp_path / "run"))
+    with pytest.raises(ValueError, match="--actor.model smollm2-135m-instruct"):
+        Trainer(cfg).run()
+    assert not (tmp_path / "run").exists()

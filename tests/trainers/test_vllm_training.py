@@ -84,7 +84,8 @@ def test_agentrl_train_with_vllm_learns(tiny_vllm_dir, tmp_path):
     before = _engine_processes()
     run_dir = tmp_path / "run"
     rc = main(["train", "--env", "digits", "--rollout.engine", "vllm",
-               "--actor.model", tiny_vllm_dir, "--steps", "16", "--run_dir", str(run_dir),
+               "--actor.model", tiny_vllm_dir, "--actor.lr", "3e-3", "--steps", "16",
+               "--run_dir", str(run_dir),
                "--progress", "false", "--tensorboard", "false"])
     assert rc == 0
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -106,6 +107,7 @@ def test_placed_async_vllm_run_collects_one_batch_at_a_time(tiny_vllm_dir, tmp_p
     run_dir = tmp_path / "run"
     rc = main(["train", "--env", "digits", "--rollout.engine", "vllm", "--rollout.mode",
                "placed", "--rollout.async_depth", "1", "--actor.model", tiny_vllm_dir,
+               "--actor.lr", "3e-3",
                "--steps", "3", "--run_dir", str(run_dir), "--progress", "false",
                "--tensorboard", "false"])
     assert rc == 0
