@@ -136,9 +136,12 @@ def run_agent_episodes(
         assert cfg.reward.url is not None
         reward_fn = remote_agent_reward(cfg.reward.url, timeout_s=cfg.reward.timeout_s,
                                         retries=cfg.reward.retries, max_batch=cfg.reward.max_batch)
-    # Agents may name the policy "agentrl" or by its model name; both are served.
-    app = create_app(engine, tokenizer, config=ProxyConfig(aliases=(cfg.actor.model,)))
-    return asyncio.run(
+    # Agents may name the policy "agentrl" or by its model name; both are served. A call that
+    # sets no max_tokens gets the rollout's cap, not the rest of the context (#32: a 135M
+    # model's ramble ran to thousands of tokens a call).
+    app = create_app(engine, tokenizer, config=ProxyConfig(
+        aliases=(cfg.actor.model,), max_tokens_default=cfg.rollout.max_new_tokens))
+    trajs = asyncio.run(
         run_agents(
             agent_fn,
             tasks,
@@ -149,6 +152,25 @@ def run_agent_episodes(
             group_prefix=group_prefix,
         )
     )
+    _warn_capped(trajs, cfg.rollout.max_new_tokens)
+    return trajs
+
+
+_cap_warned = False
+
+
+def _warn_capped(trajs: list[Trajectory], cap: int) -> None:
+    """Say once a run that agent calls ran into the per-call cap (counted every step as
+    `agent_calls_capped` in metrics.jsonl)."""
+    global _cap_warned
+    from trainers.rl_step import capped_calls
+
+    capped = capped_calls(trajs, cap)
+    if capped and not _cap_warned:
+        _cap_warned = True
+        logger.warning("%d agent calls were cut at %d tokens, --rollout.max_new_tokens: the cap "
+                       "of a call that sets no max_tokens (raise it, or set max_tokens in the "
+                       "agent); counted each step as agent_calls_capped", capped, cap)
 
 
 _budget_warned = False

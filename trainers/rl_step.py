@@ -155,6 +155,20 @@ def rollout_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
     }
 
 
+def capped_calls(trajs: Sequence[Trajectory], cap: int) -> int:
+    """Agent calls (proxy sessions' turns) cut at `cap` tokens: finish reason "length" after
+    exactly `cap` sampled tokens, the per-call cap of calls that set no max_tokens (#32)."""
+    return sum(t.finish_reason == "length" and t.end - t.start == cap
+               for traj in trajs if "session_id" in traj.info for t in traj.turns)
+
+
+def agent_metrics(trajs: Sequence[Trajectory], *, max_new_tokens: int) -> dict[str, float]:
+    """A step's counts over its agent sessions, discarded ones included ({} for env runs)."""
+    if not any("session_id" in t.info for t in trajs):
+        return {}
+    return {"agent_calls_capped": float(capped_calls(trajs, max_new_tokens))}
+
+
 def training_batch(
     sampled: Sequence[Trajectory], algo: AlgoConfig, *, max_new_tokens: int
 ) -> tuple[list[Trajectory], list[int], dict[str, float]]:
@@ -163,7 +177,9 @@ def training_batch(
     metrics of the shaped episodes."""
     trajs = shape_rewards([t for t in sampled if not t.discard], algo,
                           max_new_tokens=max_new_tokens)
-    return trajs, dense_group_ids(trajs), rollout_metrics(trajs)
+    metrics = rollout_metrics(trajs)
+    metrics.update(agent_metrics(sampled, max_new_tokens=max_new_tokens))
+    return trajs, dense_group_ids(trajs), metrics
 
 
 def next_kl_coef(kl_coef: float, observed_kl: float, algo: AlgoConfig, *, n_steps: int) -> float:

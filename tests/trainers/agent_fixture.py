@@ -65,3 +65,11 @@ async def screen_agent(task: dict, base_url: str, api_key: str) -> str:
             answer = out.choices[0].message.content or ""
             messages.append({"role": "assistant", "content": answer})
     return answer
+
+
+async def uncapped_agent(task: dict, base_url: str, api_key: str) -> str:
+    """One chat call that sets no max_tokens (as the Agents SDK's default model settings)."""
+    async with _client(base_url, api_key) as client:
+        out = await client.chat.completions.create(
+            model="agentrl", messages=[{"role": "user", "content": task["prompt"]}])
+    return out.choices[0].message.content or ""
