@@ -329,6 +329,7 @@ class Session:
             "closed": self.closed,
             "num_calls": len(done),
             "aborted_calls": len(self.calls) - len(done),
+            "in_flight": self.in_flight,
             "replaced_calls": self.replaced_calls,
             "drift_events": self.drift_events,
             "num_trajectories": len(self._merge()),

@@ -69,10 +69,10 @@ def _agent_evals(base: TrainConfig, argv: list[str]) -> TrainConfig:
     """An agent run is evaluated on its own held-out tasks (--agent_eval_tasks), never on the
     preset env's problems: without that file the preset's evals are off (issue #32)."""
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for flag in ("--agent", "--agent_eval_tasks"):
+    for flag in ("--agent", "--agent_cmd", "--agent_eval_tasks"):
         pre.add_argument(flag, default=None)
     known, _ = pre.parse_known_args(argv)
-    agent = known.agent or base.agent
+    agent = known.agent or known.agent_cmd or base.agent_run
     if not agent or known.agent_eval_tasks or base.agent_eval_tasks:
         return base
     return dataclasses.replace(base, eval_problems=0, eval_every=0, keep_best=None)

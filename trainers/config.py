@@ -345,8 +345,19 @@ class TrainConfig:
     """Train a black-box agent instead of an env: "module:function" with signature
     agent(task, base_url, api_key) (sync or async), run against the recording proxy, one
     session per episode. Needs --agent_tasks and --agent_reward."""
+    agent_cmd: str | None = None
+    """Train an agent that is a command, in any language: "CMD ARGS" runs once per episode
+    with OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY (its session)
+    and AGENTRL_SESSION_ID in its environment and its task (one JSON value) on stdin; its last
+    stdout line is its answer, scored as an --agent's result. Instead of --agent."""
+    agent_concurrency: int | None = None
+    """Most agent episodes (for --agent_cmd, processes) running at once; default
+    --rollout.max_concurrency."""
+    agent_timeout_s: float = 300.0
+    """An agent that sends the proxy no request for this long (none in flight) is ended (an
+    --agent_cmd's process group killed); its turns are kept, discarded with the reason."""
     agent_tasks: str | None = None
-    """JSON-lines file of tasks (one JSON value per line) for --agent."""
+    """JSON-lines file of tasks (one JSON value per line) for --agent or --agent_cmd."""
     agent_reward: str | None = None
     """"module:function" scoring reward(task, agent_result) -> float, for --agent (or
     --reward.url: a reward service scores {"prompt": task, "response": result, "label":
@@ -504,27 +515,45 @@ class TrainConfig:
         self._check_agent()
         self._check_dataset()
 
+    @property
+    def agent_run(self) -> bool:
+        """The run trains a black-box agent (--agent or --agent_cmd) through the proxy."""
+        return bool(self.agent or self.agent_cmd)
+
     def _check_agent(self) -> None:
-        """An agent run's flags go together; its task files are read and checked here, before
-        any model loads."""
-        if not self.agent:
+        """An agent run's flags go together; its task files are read and checked here, and its
+        command's program found, before any model loads."""
+        if not self.agent_run:
             if self.agent_eval_tasks:
                 raise ValueError("--agent_eval_tasks holds an agent run's held-out tasks: it "
-                                 "needs --agent")
+                                 "needs --agent or --agent_cmd")
             return
+        flag = "--agent" if self.agent else "--agent_cmd"
+        if self.agent and self.agent_cmd:
+            raise ValueError("pass --agent (a Python function) or --agent_cmd (a command), not "
+                             "both")
         if not (self.agent_tasks and (self.agent_reward or self.reward.url)):
-            raise ValueError("--agent needs --agent_tasks FILE.jsonl and --agent_reward module:fn "
-                             "(or --reward.url, a reward service: `agentrl reward-serve`)")
+            raise ValueError(f"{flag} needs --agent_tasks FILE.jsonl and --agent_reward "
+                             f"module:fn (or --reward.url, a reward service: `agentrl "
+                             f"reward-serve`)")
         if self.agent_reward and self.reward.url:
-            raise ValueError("--agent: pass --agent_reward (a function) or --reward.url (a reward "
-                             "service), not both")
+            raise ValueError(f"{flag}: pass --agent_reward (a function) or --reward.url (a "
+                             f"reward service), not both")
         if self.reward.model:
-            raise ValueError("--reward.model scores single-turn --dataset runs; an --agent is "
-                             "scored by --agent_reward or --reward.url")
+            raise ValueError(f"--reward.model scores single-turn --dataset runs; an {flag} is "
+                             f"scored by --agent_reward or --reward.url")
         if self.eval_problems and not self.agent_eval_tasks:
             raise ValueError(f"--eval_problems {self.eval_problems}: an agent run is evaluated "
                              f"on held-out tasks of its own: pass --agent_eval_tasks "
                              f"FILE.jsonl (or --eval_problems 0)")
+        if self.agent_concurrency is not None and self.agent_concurrency < 1:
+            raise ValueError(f"--agent_concurrency must be >= 1, got {self.agent_concurrency}")
+        if not self.agent_timeout_s > 0:
+            raise ValueError(f"--agent_timeout_s must be > 0, got {self.agent_timeout_s}")
+        if self.agent_cmd is not None:
+            from servers.agent_processes import command_argv
+
+            command_argv(self.agent_cmd)
         load_tasks(self.agent_tasks, "--agent_tasks")
         if self.agent_eval_tasks:
             load_tasks(self.agent_eval_tasks, "--agent_eval_tasks")
@@ -534,7 +563,7 @@ class TrainConfig:
         prompt column and the reward function are checked here, before any model loads."""
         single = self.env in SINGLE_TURN_ENVS
         # An --agent's --reward.url scores its sessions (checked in __post_init__).
-        scorer = None if self.agent else self.reward.url or self.reward.model
+        scorer = None if self.agent_run else self.reward.url or self.reward.model
         if not (single or self.dataset.path or self.reward_fn or scorer):
             return
         if self.reward_fn and scorer:
@@ -619,7 +648,7 @@ def check_model(cfg: TrainConfig) -> None:
     check_model_name(model)
     check_engine_loads(cfg.rollout.engine, model, engine_flag="--rollout.engine",
                        model_flag="--actor.model")
-    if cfg.agent:
+    if cfg.agent_run:
         return  # an outside agent's sessions: no env is built
     from agentrl.envs import resolve_env_id
     from agentrl.envs.registry import env_factory

@@ -50,8 +50,8 @@ def eval_setting(cfg: TrainConfig) -> dict[str, Any]:
     agent run's: the agent, its held-out task file, and the agent's own sampling."""
     import json
 
-    if cfg.agent:
-        return {"env": f"agent {cfg.agent}", "tasks": cfg.agent_eval_tasks,
+    if cfg.agent_run:
+        return {"env": f"agent {cfg.agent or cfg.agent_cmd}", "tasks": cfg.agent_eval_tasks,
                 "problems": cfg.eval_problems, "samples_per_problem": cfg.eval_samples,
                 "temperature": "as the agent sets it"}
     chosen = {k: v for k, v in env_kwargs(cfg, eval_split=True).items()
@@ -124,12 +124,12 @@ def run_agent_episodes(
     session of a proxy over `engine`, scored by --agent_reward or --reward.url."""
     import asyncio
 
+    from servers.agent_processes import CommandAgent
     from servers.agents import remote_agent_reward, run_agents
     from servers.app import create_app
     from servers.config import ProxyConfig
 
-    assert cfg.agent is not None  # an agent run's (checked by the config)
-    agent_fn = load_callable(cfg.agent)
+    agent_fn = CommandAgent(cfg.agent_cmd) if cfg.agent_cmd else load_callable(cfg.agent or "")
     if cfg.agent_reward:
         reward_fn = load_callable(cfg.agent_reward)
     else:  # the config checked that one of the two is set
@@ -147,9 +147,10 @@ def run_agent_episodes(
             tasks,
             app=app,
             reward_fn=reward_fn,
-            concurrency=cfg.rollout.max_concurrency,
+            concurrency=cfg.agent_concurrency or cfg.rollout.max_concurrency,
             n_samples_per_task=n_samples,
             group_prefix=group_prefix,
+            timeout_s=cfg.agent_timeout_s,
         )
     )
     _warn_capped(trajs, cfg.rollout.max_new_tokens)
@@ -184,8 +185,8 @@ def _warn_unused_budgets(cfg: TrainConfig) -> None:
     _budget_warned = True
     logger.warning(
         "--rollout.max_turns and --rollout.max_episode_tokens apply to env rollouts only; an "
-        "--agent runs its own loop through the proxy (limit its turns in the agent, its tokens "
-        "per call with max_tokens)"
+        "agent (--agent, --agent_cmd) runs its own loop through the proxy (limit its turns in "
+        "the agent, its tokens per call with max_tokens)"
     )
 
 
@@ -194,7 +195,7 @@ def evaluate_engine(engine: Any, cfg: TrainConfig, tokenizer: Any) -> dict[str, 
     its held-out tasks (--agent_eval_tasks)."""
     from agentrl.rollout.evaluate import evaluate
 
-    if cfg.agent:
+    if cfg.agent_run:
         return _eval_record(cfg, evaluate_agent(engine, cfg, tokenizer))
     return _eval_record(cfg, evaluate(
         engine,

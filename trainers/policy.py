@@ -271,7 +271,7 @@ class PolicyWorker:
     def collect(self, seeds: list[int], step: int) -> list:
         from trainers.episodes import collect_agent_episodes, collect_for_step
 
-        fn = collect_agent_episodes if self.cfg.agent else collect_for_step
+        fn = collect_agent_episodes if self.cfg.agent_run else collect_for_step
         return self._sampling(fn, seeds, step)
 
     def collect_step(self, seeds: list[list[int]], step: int) -> rl_step.Sampled:

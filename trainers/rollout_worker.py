@@ -106,7 +106,7 @@ class RolloutWorker:
         return fresh
 
     def collect(self, seeds: list[int], step: int) -> list[Trajectory]:
-        fn = collect_agent_episodes if self.cfg.agent else collect_for_step
+        fn = collect_agent_episodes if self.cfg.agent_run else collect_for_step
         return fn(self.engine, self.cfg, self.tokenizer, seeds, step)
 
     def update_weights(self, bucket: dict[str, torch.Tensor], version: int, last: bool) -> int:

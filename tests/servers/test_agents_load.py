@@ -59,10 +59,14 @@ def test_run_agents_async_agent_with_rewards(tok):
     assert [t.info["task_index"] for t in trajs] == [0, 1, 2]
 
 
-def test_run_agents_sync_agent_drops_failed_episode(make_proxy):
+def test_run_agents_sync_agent_keeps_failed_episode_discarded(make_proxy):
     p = make_proxy()
     trajs = asyncio.run(run_agents(_sync_agent, ["x", "boom", "y"], base_url=f"{p.url}/v1"))
-    assert [t.info["task_index"] for t in trajs] == [0, 2]
+    assert [t.info["task_index"] for t in trajs] == [0, 1, 2]
+    # The failed agent recorded nothing: its episode is an empty placeholder, discarded with
+    # the reason, counted in the step (#32 item 6).
+    assert [t.discard for t in trajs] == [False, True, False] and trajs[1].token_ids == []
+    assert trajs[1].info["error"] == "RuntimeError: agent crashed"
     assert p.store.list() == []  # collected sessions are deleted from the proxy
 
 

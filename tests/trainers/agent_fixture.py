@@ -73,3 +73,11 @@ async def uncapped_agent(task: dict, base_url: str, api_key: str) -> str:
         out = await client.chat.completions.create(
             model="agentrl", messages=[{"role": "user", "content": task["prompt"]}])
     return out.choices[0].message.content or ""
+
+
+async def flaky_agent(task: dict, base_url: str, api_key: str) -> str:
+    """digits_agent, but a task with "fail" raises after its call (a tool that broke)."""
+    answer = await digits_agent(task, base_url, api_key)
+    if task.get("fail"):
+        raise RuntimeError("the agent's tool broke")
+    return answer

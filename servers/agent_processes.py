@@ -1,0 +1,141 @@
+"""Agents as commands (`agentrl train --agent_cmd "CMD ARGS"`, #32 item 2): an agent in any
+language or environment, one process per episode.
+
+The process gets its session in its environment: OPENAI_BASE_URL and ANTHROPIC_BASE_URL (the
+session's `/sessions/<id>/v1` and `/sessions/<id>`, which the OpenAI and Anthropic SDKs read),
+OPENAI_API_KEY and ANTHROPIC_API_KEY, and AGENTRL_SESSION_ID. It reads its task, one JSON
+value, on stdin; the last non-empty line it prints is its answer. Its exit status and the tail
+of its stderr are kept in its trajectories' info (`exit_status`, `stderr_tail`); a non-zero
+status fails the episode (`AgentFailed("exit")`).
+
+Each process runs in a process group of its own, killed when its episode ends (an agent's
+leftover children included) or is ended (a timeout); `servers/process_reaper.py` kills the
+groups still running if the process that started them dies, even by SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from servers.agents import AgentAnswer, AgentFailed
+
+STDERR_TAIL_CHARS = 2000
+"""How much of an agent's stderr is kept with its session (the end of it)."""
+
+
+def command_argv(command: str, flag: str = "--agent_cmd") -> list[str]:
+    """The command's argv, or a one-line ValueError naming it when it cannot start: empty, not
+    shell words, or a program that is not found or not executable. Starts nothing."""
+    try:
+        argv = shlex.split(command)
+    except ValueError as e:
+        raise ValueError(f"{flag} {command!r} cannot start: {e}") from None
+    if not argv:
+        raise ValueError(f"{flag} is empty: pass the agent's command, e.g. \"python3 agent.py\"")
+    program = argv[0]
+    if os.sep in program:
+        path = Path(program)
+        if not path.is_file():
+            raise ValueError(f"{flag} {command!r} cannot start: {program} does not exist")
+        if not os.access(path, os.X_OK):
+            raise ValueError(f"{flag} {command!r} cannot start: {program} is not executable "
+                             f"(chmod +x it, or name its interpreter first)")
+    elif shutil.which(program) is None:
+        raise ValueError(f"{flag} {command!r} cannot start: {program!r} is not found on PATH")
+    return argv
+
+
+def session_env(base_url: str, api_key: str) -> dict[str, str]:
+    """The variables that point an agent at its session (`base_url`: `.../sessions/<id>/v1`)."""
+    root = base_url.rstrip("/").removesuffix("/v1")
+    return {"OPENAI_BASE_URL": f"{root}/v1", "OPENAI_API_KEY": api_key,
+            "ANTHROPIC_BASE_URL": root, "ANTHROPIC_API_KEY": api_key,
+            "AGENTRL_SESSION_ID": root.rsplit("/", 1)[-1]}
+
+
+class CommandAgent:
+    """An agent function (`servers.agents.AgentFn`) that runs `command` once per episode."""
+
+    def __init__(self, command: str, *, cwd: str | None = None) -> None:
+        self.command = command
+        self.argv = command_argv(command)
+        self.cwd = cwd
+
+    async def __call__(self, task: Any, base_url: str, api_key: str) -> AgentAnswer:
+        env = {**os.environ, **session_env(base_url, api_key)}
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, env=env, cwd=self.cwd, start_new_session=True)
+        except OSError as e:
+            raise AgentFailed("start", f"--agent_cmd {self.command!r} did not start: {e}") from None
+        reaper().watch(proc.pid)
+        try:
+            out, err = await proc.communicate(json.dumps(task).encode() + b"\n")
+        finally:  # done, failed or cancelled (a timeout): nothing of the agent stays
+            kill_group(proc.pid)
+            if proc.returncode is None:
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(asyncio.shield(proc.wait()), 5)
+            reaper().forget(proc.pid)
+        tail = err.decode(errors="replace")[-STDERR_TAIL_CHARS:]
+        info: dict[str, object] = {"exit_status": proc.returncode, "stderr_tail": tail}
+        if proc.returncode != 0:
+            last = (tail.strip().splitlines() or [""])[-1][:300]
+            raise AgentFailed("exit", f"--agent_cmd exited with status {proc.returncode}"
+                                      f"{': ' + last if last else ''}", info)
+        lines = [line for line in out.decode(errors="replace").splitlines() if line.strip()]
+        return AgentAnswer(lines[-1].strip() if lines else "", info)
+
+
+def kill_group(pgid: int) -> None:
+    with contextlib.suppress(OSError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+class _Reaper:
+    """This process's reaper (servers/process_reaper.py): told of every agent group."""
+
+    def __init__(self) -> None:
+        script = Path(__file__).with_name("process_reaper.py")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", str(script)], stdin=subprocess.PIPE,
+            start_new_session=True)
+        self.lock = threading.Lock()
+        self.owner = os.getpid()  # a forked child starts its own
+
+    def _send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        with self.lock, contextlib.suppress(OSError):
+            self.proc.stdin.write(line.encode())
+            self.proc.stdin.flush()
+
+    def watch(self, pgid: int) -> None:
+        self._send(f"+{pgid}\n")
+
+    def forget(self, pgid: int) -> None:
+        self._send(f"-{pgid}\n")
+
+
+_reaper: _Reaper | None = None
+_reaper_lock = threading.Lock()
+
+
+def reaper() -> _Reaper:
+    """The reaper of this process, started on first use (and again if it died)."""
+    global _reaper
+    with _reaper_lock:
+        if _reaper is None or _reaper.owner != os.getpid() or _reaper.proc.poll() is not None:
+            _reaper = _Reaper()
+        return _reaper
