@@ -4,7 +4,7 @@ language or environment, one process per episode.
 The process gets its session in its environment: OPENAI_BASE_URL and ANTHROPIC_BASE_URL (the
 session's `/sessions/<id>/v1` and `/sessions/<id>`, which the OpenAI and Anthropic SDKs read),
 OPENAI_API_KEY and ANTHROPIC_API_KEY, and AGENTRL_SESSION_ID. It reads its task, one JSON
-value, on stdin; the last non-empty line it prints is its answer. Its exit status and the tail
+value, on stdin; the last line it prints is its answer. Its exit status and the tail
 of its stderr are kept in its trajectories' info (`exit_status`, `stderr_tail`); a non-zero
 status fails the episode (`AgentFailed("exit")`).
 
@@ -95,8 +95,8 @@ class CommandAgent:
             last = (tail.strip().splitlines() or [""])[-1][:300]
             raise AgentFailed("exit", f"--agent_cmd exited with status {proc.returncode}"
                                       f"{': ' + last if last else ''}", info)
-        lines = [line for line in out.decode(errors="replace").splitlines() if line.strip()]
-        return AgentAnswer(lines[-1].strip() if lines else "", info)
+        lines = out.decode(errors="replace").splitlines()
+        return AgentAnswer(lines[-1] if lines else "", info)
 
 
 def kill_group(pgid: int) -> None:
