@@ -163,10 +163,30 @@ def capped_calls(trajs: Sequence[Trajectory], cap: int) -> int:
 
 
 def agent_metrics(trajs: Sequence[Trajectory], *, max_new_tokens: int) -> dict[str, float]:
-    """A step's counts over its agent sessions, discarded ones included ({} for env runs)."""
-    if not any("session_id" in t.info for t in trajs):
+    """A step's counts over its agent sessions, discarded ones included ({} for env runs, #32
+    item 7): agents started, finished, failed (in all and by cause: agents_failed_<cause>) and
+    timed out; their segments (a session's trajectories) and the segments drift started; the
+    tokens sampled per agent; the calls cut at the per-call cap."""
+    sessions: dict[str, list[Trajectory]] = {}
+    for t in trajs:
+        if "session_id" in t.info:
+            sessions.setdefault(str(t.info["session_id"]), []).append(t)
+    if not sessions:
         return {}
-    return {"agent_calls_capped": float(capped_calls(trajs, max_new_tokens))}
+    ended = [segs[0].info.get("agent", {"status": "finished"}) for segs in sessions.values()]
+    causes = collections.Counter(str(e.get("cause")) for e in ended if e["status"] == "failed")
+    segments = [t for segs in sessions.values() for t in segs if t.turns]
+    return {
+        "agents_started": float(len(sessions)),
+        "agents_finished": float(sum(e["status"] == "finished" for e in ended)),
+        "agents_failed": float(sum(causes.values())),
+        **{f"agents_failed_{cause}": float(n) for cause, n in sorted(causes.items())},
+        "agents_timed_out": float(sum(e["status"] == "timed_out" for e in ended)),
+        "agent_segments": float(len(segments)),
+        "agent_drift": float(sum(bool(t.info.get("drift")) for t in segments)),
+        "tokens_per_agent": sum(t.num_policy_tokens for t in segments) / len(sessions),
+        "agent_calls_capped": float(capped_calls(trajs, max_new_tokens)),
+    }
 
 
 def training_batch(

@@ -34,6 +34,11 @@ def test_a_step_trains_on_the_agents_that_did_not_fail(make_cfg, tmp_path):
     assert row["discarded"] == len(failed) > 0 and len(rollouts) > len(failed)
     assert all(t["turns"] and t["info"]["error"] == "RuntimeError: the agent's tool broke"
                for t in failed)
+    # The run summary's per-step agent counts (#32 item 7).
+    assert row["agents_started"] == 4 and row["agents_failed"] == row["agents_failed_raised"]
+    assert row["agents_failed"] == len({t["info"]["session_id"] for t in failed})
+    assert row["agents_finished"] == 4 - row["agents_failed"] and row["agents_timed_out"] == 0
+    assert row["tokens_per_agent"] > 0 and row["agent_segments"] >= 4
 
 
 def test_a_run_whose_agents_all_fail_stops_instead_of_retrying(make_cfg, tmp_path):
