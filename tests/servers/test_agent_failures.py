@@ -6,7 +6,6 @@ ran it, even one killed by SIGKILL."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
