@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from agentrl.envs.template import ChatTemplateBridge, Escaper, TemplateError, plain_content
+from agentrl.envs.tool_calls import fold_tools, template_renders_tools
 from agentrl.models.vision import ImageError, VisionProcessor
 from agentrl.types import Image
 from servers.deps import Tokenizer
@@ -37,17 +38,6 @@ if TYPE_CHECKING:
 _BRIDGES = 16  # incremental renderers kept, one per tool set
 
 _PROBE = "agentrl_probe_fn"
-_TOOLS_PREAMBLE = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-)
-_TOOLS_POSTAMBLE = (
-    "\n</tools>\n\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
-)
-
-
 @dataclass
 class Rendered:
     """A prompt ready for the engine."""
@@ -64,10 +54,7 @@ class ChatRenderer:
         self.processor = processor
         self._plain = plain_content(tokenizer)
         self._bridges: dict[str, ChatTemplateBridge] = {}  # per tool set, for render_after
-        self.supports_tools = self._probe(
-            [{"role": "user", "content": "hi"}],
-            tools=[{"type": "function", "function": {"name": _PROBE, "parameters": {}}}],
-        )
+        self.supports_tools = template_renders_tools(tokenizer)
         self.supports_tool_calls = self._probe(
             [
                 {"role": "user", "content": "hi"},
@@ -97,10 +84,10 @@ class ChatRenderer:
         # Byte-level BPE spells each byte as one character; otherwise allow 4 bytes a char.
         return longest if type(decoder).__name__ == "ByteLevel" else 4 * longest
 
-    def _probe(self, messages: list[dict], tools: list[dict] | None = None) -> bool:
+    def _probe(self, messages: list[dict]) -> bool:
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False
+                messages, add_generation_prompt=True, tokenize=False
             )
         except Exception:  # noqa: BLE001 - any template failure means "not supported"
             return False
@@ -123,7 +110,7 @@ class ChatRenderer:
         tool_dicts = ([escaper.tree(t.model_dump(exclude_none=True)) for t in tools]
                       if tools else None)
         if tool_dicts and not self.supports_tools:
-            msgs = _fold_tools(msgs, tool_dicts)
+            msgs = fold_tools(msgs, tool_dicts)
             tool_dicts = None
         try:
             text = self.tokenizer.apply_chat_template(
@@ -276,14 +263,3 @@ def _hermes_call_text(call: dict) -> str:
     return (
         f'<tool_call>\n{{"name": {json.dumps(fn["name"])}, "arguments": {args_text}}}\n</tool_call>'
     )
-
-
-def _fold_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
-    """Put the tool schemas into the system message for templates that ignore `tools`."""
-    schemas = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    block = _TOOLS_PREAMBLE + schemas + _TOOLS_POSTAMBLE
-    if messages and messages[0]["role"] == "system" and isinstance(messages[0]["content"], str):
-        first = dict(messages[0])
-        first["content"] = f"{first['content']}\n\n{block}"
-        return [first, *messages[1:]]
-    return [{"role": "system", "content": block}, *messages]

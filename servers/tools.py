@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from agentrl.engine.grammar import structural_tag_grammar
+from agentrl.envs.tool_calls import parse_tool_call
 
 
 @dataclass
@@ -134,25 +135,13 @@ class HermesToolParser:
 
 
 def _parse_call_json(body: str, tool_names: frozenset[str]) -> ToolCall | None:
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
+    """The call in one block (agentrl.envs.tool_calls reads it); None if it is not one of the
+    request's tools' calls, which then stays text."""
+    call = parse_tool_call(body)
+    if call.error is not None or (tool_names and call.name not in tool_names):
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    if tool_names and obj["name"] not in tool_names:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(
-        id=new_call_id(), name=obj["name"], arguments=json.dumps(args, ensure_ascii=False)
-    )
+    arguments = json.dumps(dict(call.arguments), ensure_ascii=False)
+    return ToolCall(id=new_call_id(), name=call.name, arguments=arguments)
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -49,10 +49,10 @@ class ToolCallText:
 
 def parse_tool_call(body: str) -> ToolCallText:
     """The JSON inside one `<tool_call>` block. Arguments may also be a JSON string, as in
-    OpenAI's wire format."""
+    OpenAI's wire format, or be named "parameters" (as Llama 3's format names them)."""
     try:
         obj = json.loads(body)
-        args = obj.get("arguments", {}) if isinstance(obj, dict) else None
+        args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
         args = json.loads(args) if isinstance(args, str) else args
     except json.JSONDecodeError as e:
         return ToolCallText(error=f"Error: the tool call is not valid JSON ({e}). "
