@@ -34,6 +34,7 @@ from fastapi import FastAPI
 
 from agentrl.http_client import async_http_client
 from agentrl.rewards import RewardServiceError
+from agentrl.terminal_safe import visible
 from agentrl.types import Trajectory, group_name
 from servers.serving import serve_in_thread
 
@@ -163,7 +164,7 @@ class _Episodes:
             extra = e.info if isinstance(e, AgentFailed) else {}
             error = str(e) if isinstance(e, AgentFailed) else f"{type(e).__name__}: {e}"
             log.warning("agent failed on task %d (%s); its episode is discarded: %s", i, cause,
-                        error)
+                        visible(error))  # an agent's error may carry its stderr's escapes
             status = "timed_out" if cause == "timeout" else "failed"
             return {"status": status, "cause": cause, **extra}, error
         if isinstance(result, AgentAnswer):
@@ -209,7 +210,7 @@ def _report_failed_groups(results: list[list[Trajectory]]) -> None:
         if trajs and all(t.discard for t in trajs):
             causes = sorted({str(t.info.get("agent", {}).get("cause", "reward")) for t in trajs})
             log.warning("every episode of group %s was discarded (%s): %s", group,
-                        ", ".join(causes), str(trajs[0].info.get("error", ""))[:300])
+                        ", ".join(causes), visible(str(trajs[0].info.get("error", ""))[:300]))
 
 
 async def run_agents(

@@ -158,3 +158,18 @@ def test_no_command_agent_outlives_a_killed_trainer(tmp_path):
     finally:
         driver.kill()
         driver.wait()
+
+
+def test_an_agents_error_is_logged_with_its_control_sequences_escaped(tok, caplog):
+    """What an agent raises (or a command agent writes to stderr) reaches the log as visible
+    escapes: printed to a terminal, it cannot set the clipboard or clear the screen."""
+
+    async def agent(task, base_url, api_key):
+        raise RuntimeError("boom \x1b]52;c;ZXZpbA==\x07 \x1b[2J \u202e")
+
+    caplog.set_level(logging.WARNING, logger="servers.agents")
+    [traj] = _run(tok, agent, [{"prompt": "hi"}], reward_fn=lambda task, answer: 0.0)
+    assert traj.discard
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "\\x1b]52" in logged and "\\u202e" in logged
+    assert "\x1b" not in logged and "\x07" not in logged and "\u202e" not in logged
