@@ -1,6 +1,7 @@
 """The recording OpenAI-compatible proxy: `create_app(engine, tokenizer, store)`.
 
-Every OpenAI route is served twice: at `/v1/...` and at `/sessions/{session_id}/v1/...`, so a
+It also speaks the Anthropic Messages API (`/v1/messages`, servers/messages.py). Every route is
+served twice: at `/v1/...` and at `/sessions/{session_id}/v1/...`, so a
 framework that only lets you set `base_url` can still bind its calls to a session.
 """
 
@@ -11,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from agentrl.engine.base import Engine
 from agentrl.models.vision import VisionProcessor
-from servers import chat_completions, completions, responses, session_routes
+from servers import chat_completions, completions, messages, responses, session_routes
 from servers.config import ProxyConfig, ProxyState
 from servers.deps import Tokenizer
 from servers.errors import APIError, install_error_handlers
@@ -55,7 +56,8 @@ def create_app(
                   dependencies=[Depends(requested_session_id)])
     app.state.proxy = ProxyState.build(engine, tokenizer, store, config, processor)
     install_error_handlers(app)
-    for router in (chat_completions.router, completions.router, responses.router, misc):
+    for router in (chat_completions.router, completions.router, responses.router,
+                   messages.router, misc):
         app.include_router(router)
         app.include_router(router, prefix="/sessions/{session_id}")
     app.include_router(session_routes.router)

@@ -1,4 +1,5 @@
-"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right status.
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right status
+(and, for the Anthropic Messages API's routes only, Anthropic's shape: `anthropic_error_body`).
 
 FastAPI answers validation failures with 422 and a list of pydantic errors; OpenAI clients
 expect 400 and one message, so the handlers here translate. Deterministic failures (4xx other
@@ -64,6 +65,41 @@ def error_body(status: int, message: str, code: str | None, param: str | None) -
     }
 
 
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+"""Path ends (at `/v1/...` and under `/sessions/<id>/`) whose errors take Anthropic's shape."""
+
+
+def anthropic_error_body(status: int, message: str, code: str | None = None) -> dict:
+    """`{"type": "error", "error": {"type", "message"}}`, as the Anthropic API answers. A
+    context overflow's message starts as Anthropic's does ("prompt is too long: "), which
+    Claude-Code-style harnesses look for to compact their history."""
+    if code == "context_length_exceeded":
+        message = f"prompt is too long: {message}"
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def anthropic_error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(
+        anthropic_error_body(err.status, err.message, err.code),
+        status_code=err.status,
+        headers=error_headers(err.status, err.retry_after),
+    )
+
+
 def error_headers(status: int, retry_after: float | None = None) -> dict[str, str]:
     headers = {"x-should-retry": "true" if status in _RETRYABLE else "false"}
     if retry_after is not None:
@@ -79,8 +115,11 @@ def error_response(err: APIError) -> JSONResponse:
     )
 
 
-def error_bytes(status: int, message: str, code: str | None = None) -> bytes:
-    return json.dumps(error_body(status, message, code, None)).encode()
+def error_bytes(status: int, message: str, code: str | None = None, *,
+                anthropic: bool = False) -> bytes:
+    body = (anthropic_error_body(status, message, code) if anthropic
+            else error_body(status, message, code, None))
+    return json.dumps(body).encode()
 
 
 def _loc(loc: tuple) -> str:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import hmac
 import secrets
+from collections.abc import Awaitable, Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from servers.errors import APIError, error_bytes, error_headers
+from servers.errors import ANTHROPIC_PATHS, APIError, error_bytes, error_headers
 
-_GENERATION_SUFFIXES = ("/chat/completions", "/completions", "/responses")
+_GENERATION_SUFFIXES = ("/chat/completions", "/completions", "/responses", "/v1/messages")
 _OPEN_PATHS = ("/health", "/v1/models")
 
 MAX_HEADER_BYTES = 32 * 1024
@@ -74,6 +75,12 @@ class ProxyGuard:
                           "request_headers_too_large")
             return
         headers = dict(scope["headers"])
+        if b"x-api-key" in headers and b"authorization" not in headers:
+            # Anthropic clients send their key as `x-api-key`: from here on it is the bearer
+            # token, for auth and for a `session-<id>` key alike.
+            headers[b"authorization"] = b"Bearer " + headers[b"x-api-key"]
+            scope = {**scope, "headers": [*scope["headers"],
+                                          (b"authorization", headers[b"authorization"])]}
         request_id = headers.get(b"x-request-id") or f"req-{secrets.token_hex(8)}".encode()
 
         async def send_with_id(message: Message) -> None:
@@ -83,20 +90,26 @@ class ProxyGuard:
             await send(message)
 
         path: str = scope["path"]
+        anthropic = path.endswith(ANTHROPIC_PATHS)
+
+        async def reject(status: int, message: str, code: str,
+                         retry_after: float | None = None) -> None:
+            await _reject(send_with_id, status, message, code, retry_after, anthropic=anthropic)
+
         if self.api_keys and not path.startswith(_OPEN_PATHS) and not self._authorized(headers):
-            await _reject(send_with_id, 401, "invalid or missing API key; send "
-                          "`Authorization: Bearer <key>` with a key this server accepts",
-                          "invalid_api_key")
+            await reject(401, "invalid or missing API key; send `Authorization: Bearer <key>` "
+                         "(or `x-api-key: <key>`) with a key this server accepts",
+                         "invalid_api_key")
             return
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            await self._too_large(send_with_id)
+            await self._too_large(reject)
             return
         generating = scope["method"] == "POST" and path.endswith(_GENERATION_SUFFIXES)
         if generating and self.in_flight >= self.max_concurrency:
-            await _reject(send_with_id, 503, f"the server is at its limit of "
-                          f"{self.max_concurrency} concurrent generation requests; retry "
-                          f"after a moment", "overloaded", retry_after=1)
+            await reject(503, f"the server is at its limit of {self.max_concurrency} "
+                         f"concurrent generation requests; retry after a moment", "overloaded",
+                         retry_after=1)
             return
         received = 0
         response_started = False
@@ -122,7 +135,7 @@ class ProxyGuard:
             await self.app(scope, guarded_receive, tracking_send)
         except BodyTooLarge:
             if not response_started:
-                await self._too_large(send_with_id)
+                await self._too_large(reject)
         finally:
             if generating:
                 self.in_flight -= 1
@@ -132,16 +145,17 @@ class ProxyGuard:
         token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
         return any(hmac.compare_digest(token, k) for k in self.api_keys)
 
-    async def _too_large(self, send: Send) -> None:
-        await _reject(send, 413, f"the request body is larger than this server's limit of "
-                      f"{self.max_body_bytes} bytes; send fewer or smaller images/messages",
-                      "request_too_large")
+    async def _too_large(self, reject: Callable[[int, str, str], Awaitable[None]]) -> None:
+        await reject(413, f"the request body is larger than this server's limit of "
+                     f"{self.max_body_bytes} bytes; send fewer or smaller images/messages",
+                     "request_too_large")
 
 
 async def _reject(
-    send: Send, status: int, message: str, code: str, retry_after: float | None = None
+    send: Send, status: int, message: str, code: str, retry_after: float | None = None, *,
+    anthropic: bool = False,
 ) -> None:
-    body = error_bytes(status, message, code)
+    body = error_bytes(status, message, code, anthropic=anthropic)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.encode(), v.encode()) for k, v in error_headers(status, retry_after).items()]
     await send({"type": "http.response.start", "status": status, "headers": headers})
