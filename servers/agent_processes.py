@@ -9,7 +9,7 @@ of its stderr are kept in its trajectories' info (`exit_status`, `stderr_tail`);
 status fails the episode (`AgentFailed("exit")`).
 
 Each process runs in a process group of its own, killed when its episode ends (an agent's
-leftover children included) or is ended (a timeout); `servers/process_reaper.py` kills the
+leftover children included) or is ended (a timeout); `agentrl/process_reaper.py` kills the
 groups still running if the process that started them dies, even by SIGKILL.
 """
 
@@ -28,6 +28,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from agentrl import process_reaper
 from servers.agents import AgentAnswer, AgentFailed
 
 STDERR_TAIL_CHARS = 2000
@@ -105,12 +106,11 @@ def kill_group(pgid: int) -> None:
 
 
 class _Reaper:
-    """This process's reaper (servers/process_reaper.py): told of every agent group."""
+    """This process's reaper (agentrl/process_reaper.py): told of every agent group."""
 
     def __init__(self) -> None:
-        script = Path(__file__).with_name("process_reaper.py")
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", str(script)], stdin=subprocess.PIPE,
+            [sys.executable, "-I", process_reaper.__file__, "groups"], stdin=subprocess.PIPE,
             start_new_session=True)
         self.lock = threading.Lock()
         self.owner = os.getpid()  # a forked child starts its own

@@ -9,9 +9,9 @@ import os
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
+from agentrl import process_reaper
 from trainers.config import TrainConfig
 
 CONNECT_TIMEOUT_S = 5.0
@@ -85,15 +85,15 @@ def shutdown_ray() -> None:
 
 
 def _start_reaper(temp_dir: str) -> None:
-    """Start `ray_reaper.py` for the private cluster in `temp_dir`: when this process ends,
-    whatever way, it ends the cluster's processes (Ray's agents outlive a SIGKILLed driver by
-    about a minute otherwise). Its own session, so a terminal's Ctrl-C reaches only us."""
+    """Start agentrl/process_reaper.py for the private Ray cluster in `temp_dir`: when this
+    process ends, whatever way, it ends the cluster's processes (Ray's agents outlive a
+    SIGKILLed driver by about a minute otherwise). Its own session, so a terminal's Ctrl-C
+    reaches only us."""
     global _reaper
     if not os.path.isdir("/proc"):  # Linux only; elsewhere Ray's own clean-up is all there is.
         return
     _reaper = subprocess.Popen(
-        [sys.executable, "-I", str(Path(__file__).with_name("ray_reaper.py")), temp_dir,
-         str(os.getpid())],
+        [sys.executable, "-I", process_reaper.__file__, "ray", temp_dir, str(os.getpid())],
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
