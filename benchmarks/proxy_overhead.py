@@ -1,6 +1,7 @@
 """Proxy overhead: latency the recording proxy adds on top of the engine, under load.
 
-    python benchmarks/proxy_overhead.py                  # fake engine, 64 sessions + 256 streams
+    python benchmarks/proxy_overhead.py                  # fake engine, 64 sessions + 256 streams,
+                                                         # /v1/chat/completions and /v1/messages
     python benchmarks/proxy_overhead.py --real           # also the transformers engine (embedded)
     python benchmarks/proxy_overhead.py --hostile        # 64 sessions beside one client that
                                                          # sends 5 MB and 30 MB messages
@@ -127,8 +128,27 @@ async def _direct(latency: float, n: int, sessions: int) -> list[float]:
     return out
 
 
+def _text(route: str, stream: bool, data: bytes) -> str:
+    """The answer's text from a chat completion or an Anthropic message, streamed or not."""
+    if not stream:
+        body = json.loads(data)
+        if route == "messages":
+            return "".join(b.get("text", "") for b in body["content"])
+        return body["choices"][0]["message"]["content"]
+    events = [json.loads(line[6:]) for b in data.split(b"\n\n") for line in b.split(b"\n")
+              if line.startswith(b"data: {")]
+    if route == "messages":
+        return "".join(e["delta"].get("text", "") for e in events
+                       if e["type"] == "content_block_delta")
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+
+
+ROUTES = {"chat": "/v1/chat/completions", "messages": "/v1/messages"}
+
+
 async def _load(
-    port: int, sessions: int, n: int, stream: bool, tag: str, stagger: float = 0.0
+    port: int, sessions: int, n: int, stream: bool, tag: str, stagger: float = 0.0,
+    route: str = "chat",
 ) -> dict:
     lat: list[float] = []
     mixed = 0
@@ -149,19 +169,12 @@ async def _load(
         try:
             for _ in range(n):
                 t = time.perf_counter()
-                status, data = await conn.post(f"/sessions/{tag}{i}/v1/chat/completions", body)
+                status, data = await conn.post(f"/sessions/{tag}{i}{ROUTES[route]}", body)
                 lat.append(time.perf_counter() - t)
                 if status != 200:
                     errors += 1
                     continue
-                if stream:
-                    text = "".join(
-                        json.loads(b[6:])["choices"][0]["delta"].get("content") or ""
-                        for b in data.split(b"\n\n")
-                        if b.startswith(b"data: {")
-                    )
-                else:
-                    text = json.loads(data)["choices"][0]["message"]["content"]
+                text = _text(route, stream, data)
                 if tag == "fake" and text != f"reply {tag}{i}":
                     mixed += 1
         finally:
@@ -261,14 +274,16 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     proc = _start(args.port, "fake", args.latency, args.token_latency)
     try:
-        asyncio.run(_load(args.port, 4, 5, False, "fake"))  # warm up
+        for route in ROUTES:  # warm up
+            asyncio.run(_load(args.port, 4, 5, False, "fake", route=route))
         for stagger, label in ((args.latency, "staggered"), (0.0, "lockstep burst")):
             for stream in (False, True):
-                r = asyncio.run(
-                    _load(args.port, args.sessions, args.requests, stream, "fake", stagger)
-                )
-                kind = "stream" if stream else "non-stream"
-                print(_row(f"{args.sessions} sessions, {kind}, {label}", r, b50, b99), flush=True)
+                for route, path in ROUTES.items():  # the same load through both, in turn
+                    r = asyncio.run(_load(args.port, args.sessions, args.requests, stream,
+                                          "fake", stagger, route))
+                    kind = "stream" if stream else "non-stream"
+                    name = f"{args.sessions} sessions, {kind}, {label}, {path}"
+                    print(_row(name, r, b50, b99), flush=True)
         r = asyncio.run(_load(args.port, 256, 4, True, "fake", args.latency))
         print(_row("256 sessions, stream, staggered", r, b50, b99), flush=True)
     finally:

@@ -178,6 +178,20 @@ ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolCho
                        Field(discriminator="type")]
 
 
+class OutputFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["json_schema"]
+    schema_: JSONObject = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    """Structured outputs: `format` constrains the answer's text to a JSON schema (as chat's
+    `response_format`); `effort` is accepted and ignored."""
+
+    model_config = _STRICT
+    format: OutputFormat | None = None
+
+
 class CountTokensRequest(BaseModel):
     """`POST /v1/messages/count_tokens`: the conversation without the sampling fields."""
 
@@ -188,6 +202,7 @@ class CountTokensRequest(BaseModel):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: dict | None = None
+    output_config: OutputConfig | None = None
 
     def system_text(self) -> str | None:
         if isinstance(self.system, list):

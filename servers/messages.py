@@ -3,7 +3,8 @@ streaming (typed SSE events) and not, and `POST /v1/messages/count_tokens`.
 
 A Messages request is translated into a chat request (`system` -> a system message, text and
 image blocks -> message content, `tool_use` blocks -> the assistant's tool calls, `tool_result`
-blocks -> tool messages, `tools` -> function tools, `tool_choice`, `stop_sequences`) and then
+blocks -> tool messages, `tools` -> function tools, `tool_choice`, `stop_sequences`,
+`output_config.format` -> `response_format`) and then
 goes through exactly the chat path (servers/chat_completions.py): the same rendering,
 constraints, sampling, recording and continuation from the tokens sampled for a reply the
 client sends back, so a tool round trip is one trajectory. Only the shape differs: content
@@ -222,6 +223,10 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     if choice is not None and not isinstance(choice, ToolChoiceNone) and \
             choice.disable_parallel_tool_use:
         body["parallel_tool_calls"] = False
+    fmt = req.output_config.format if req.output_config is not None else None
+    if fmt is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output_format", "schema": fmt.schema_}}
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, stop=req.stop_sequences,
                     temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)

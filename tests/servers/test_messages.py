@@ -367,3 +367,19 @@ def test_greedy_stream_and_not_sample_the_same_tokens_on_the_real_engine(real_pr
     trajs = real_proxy.store.get("real").trajectories()
     sampled = {tuple(t.token_ids[t.turns[0].start:t.turns[0].end]) for t in trajs}
     assert len(sampled) == 1
+
+
+def test_output_format_constrains_the_text_to_its_schema(make_proxy, tok):
+    """Structured outputs (`output_config.format`) are chat's `response_format`: a grammar."""
+    p = make_proxy(FakeEngine(tok, reply='{"city": "Paris"}'))
+    schema = {"type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"], "additionalProperties": False}
+    r = _client(p).messages.create(
+        model="agentrl", max_tokens=50, messages=[{"role": "user", "content": "Where?"}],
+        output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert json.loads(r.content[0].text) == {"city": "Paris"}
+    assert p.engine.requests[0][1].grammar is not None
+    bad = httpx.post(f"{p.url}/v1/messages", json={
+        "model": "agentrl", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+        "output_config": {"format": {"type": "json_schema", "schema": {"type": "strang"}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
