@@ -214,15 +214,15 @@ class TransformersEngine:
     async def _checked(self, prompt_ids: Sequence[int], params: SamplingParams
                        ) -> tuple[list[int], Any]:
         """The request checked (`check_request`), and its grammar compiled (GrammarError where
-        it cannot be; None without one) in a worker thread: a large schema, or the first
-        grammar's vocabulary scan, takes long enough to stall the caller's event loop (the
-        proxy's, serving every other request)."""
+        it cannot be; None without one) off the caller's event loop (the proxy's, serving every
+        other request) by `GrammarMasks.compile`, which stops a compile past its timeout or
+        when the caller is cancelled."""
         prompt = check_request(
             prompt_ids, params, vocab_size=self.vocab_size, max_context=self._max_context
         )
         if params.grammar is None:
             return prompt, None
-        return prompt, await asyncio.to_thread(self.grammars.compile, params.grammar)
+        return prompt, await self.grammars.compile(params.grammar)
 
     def _submit(
         self,

@@ -378,12 +378,12 @@ COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "green", "bl
          "required": ["color", "n"], "additionalProperties": False}
 
 
-def masked_logprobs(model, prompt, completion, grammar, masks):
+def masked_logprobs(model, prompt, completion, compiled, masks):
     """Plain-loop reference: at each position, the model's log-softmax over the tokens the
-    grammar allows there (the matcher replayed over the completion)."""
+    grammar (`compiled`) allows there (the matcher replayed over the completion)."""
     import xgrammar as xgr
 
-    matcher = xgr.GrammarMatcher(masks.compile(grammar))
+    matcher = xgr.GrammarMatcher(compiled)
     with torch.no_grad():
         logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
     out = []
@@ -416,7 +416,8 @@ async def test_a_grammar_constrains_every_sample_and_logprobs_are_of_the_masked_
         assert value["color"] in {"red", "green", "blue"} and 0 <= value["n"] <= 9
         assert set(value) == {"color", "n"} and c.finish_reason == "stop"
         assert c.token_ids[-1] in engine.eos_ids
-        want = masked_logprobs(model, prompts[0], c.token_ids, grammar, engine.grammars)
+        want = masked_logprobs(model, prompts[0], c.token_ids,
+                               await engine.grammars.compile(grammar), engine.grammars)
         torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-4, rtol=0)
         plain = recompute_logprobs(model, prompts[0], c.token_ids)
         assert (want >= plain - 1e-5).all() and (want > plain + 1e-3).any()
@@ -445,25 +446,28 @@ async def test_a_grammar_that_does_not_compile_is_refused_before_queueing(engine
     assert engine.num_waiting == 0 and engine.num_running == 0
 
 
-async def test_compiling_a_grammar_leaves_the_callers_event_loop_free(engine, prompts,
-                                                                      monkeypatch):
-    """A grammar compiles in a worker thread: a slow compile (a large schema, or the first
-    grammar's vocabulary scan) does not stall the loop that serves every other request."""
+async def test_compiling_a_grammar_leaves_the_callers_event_loop_free(engine, prompts):
+    """A grammar compiles off the loop (on trial in a worker process, then in a thread): a
+    slow compile (a large schema) does not stall the loop that serves every other request,
+    and cancelling the request stops it (tests/engine/test_grammar.py)."""
     import time
 
-    compile_grammar = engine.grammars.compile
+    from agentrl.engine.grammar import json_schema_grammar
 
-    def slow(ebnf):
-        time.sleep(0.6)
-        return compile_grammar(ebnf)
-
-    monkeypatch.setattr(engine.grammars, "compile", slow)
+    slow = json_schema_grammar({"type": "object", "properties": {
+        f"loop{i}": {"type": "string"} for i in range(2000)}, "additionalProperties": False})
     task = asyncio.create_task(engine.generate(
-        prompts[0], dataclasses.replace(GREEDY, max_tokens=3, grammar='root ::= "yes"')))
-    start = time.monotonic()
-    await asyncio.sleep(0.05)  # the request starts compiling, and the loop runs on
-    assert time.monotonic() - start < 0.3
-    [c] = await task
+        prompts[0], dataclasses.replace(GREEDY, max_tokens=3, grammar=slow)))
+    for _ in range(10):  # the request compiles, and the loop runs on
+        start = time.monotonic()
+        await asyncio.sleep(0.05)
+        assert time.monotonic() - start < 0.5
+    assert not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    [c] = await engine.generate(
+        prompts[0], dataclasses.replace(GREEDY, max_tokens=3, grammar='root ::= "yes"'))
     assert engine.tokenizer.decode(c.token_ids, skip_special_tokens=True) == "yes"
 
 
