@@ -28,11 +28,14 @@ from servers.generation import (
     check_model,
     engine_generate,
     engine_stream,
+    grammar_cost_us,
+    grammar_refused,
     new_id,
     off_loop,
     parse_request,
     record_call,
     refuse_if_too_long,
+    refused_unsampled,
     render_cost_us,
     retry_count,
     run_unless_disconnected,
@@ -78,6 +81,8 @@ class ChatCall:
             self.tool_names = [req.tool_choice.function.name]
         self.tools = req.tools if use_tools else None
         self.context: str | None = None
+        self.grammar_param: str | None = None
+        """Where the grammar came from (`response_format` or `tools`), for its 400s."""
 
     async def render(self, images: list[np.ndarray], chars: int) -> None:
         """The prompt's ids (off the event loop when that costs) and the sampling params."""
@@ -100,7 +105,7 @@ class ChatCall:
                 "presence_penalty": req.presence_penalty,
             },
             logit_bias=req.logit_bias,
-            grammar=await off_loop(render_cost_us(0, self._schema_chars()), self._grammar),
+            grammar=await off_loop(grammar_cost_us(self._schema_chars()), self._grammar),
         )
 
     def _render(self, images: list[np.ndarray]) -> Rendered:
@@ -137,8 +142,8 @@ class ChatCall:
                     fmt.json_schema.schema_,
                     what=f"response_format.json_schema {fmt.json_schema.name!r}")
         except GrammarError as e:
-            raise APIError(400, str(e), code="invalid_json_schema",
-                           param="response_format") from None
+            raise grammar_refused(e, "response_format", "invalid_json_schema") from None
+        self.grammar_param = None if json_grammar is None else "response_format"
         if not self.tools:
             return json_grammar
         required = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
@@ -152,12 +157,13 @@ class ChatCall:
                                       only_calls=required or json_grammar is not None,
                                       parallel=parallel)
         except GrammarError as e:
-            raise APIError(400, str(e), code="invalid_function_parameters",
-                           param="tools") from None
+            raise grammar_refused(e, "tools", "invalid_function_parameters") from None
         except ValueError as e:
             raise APIError(400, str(e), param="tool_choice") from None
         if json_grammar is None or required:
+            self.grammar_param = "tools"
             return calls
+        self.grammar_param = "response_format"  # or tools: the 400's message says which failed
         return union_grammar(json_grammar, calls)
 
     def _continue_sampled(self, dumped: list[dict], tools: list[dict]) -> Rendered | None:
@@ -274,7 +280,8 @@ async def sample(call: ChatCall, request: Request) -> tuple[list[Completion], li
     rendered = call.rendered
     try:
         completions = await run_unless_disconnected(
-            request, engine_generate(call.state, rendered.ids, call.params, rendered.images)
+            request, engine_generate(call.state, rendered.ids, call.params, rendered.images,
+                                     grammar_param=call.grammar_param)
         )
     except ClientDisconnected:
         call.record([], aborted=True)
@@ -361,7 +368,8 @@ async def _stream(call: ChatCall, request: Request) -> AsyncIterator[bytes]:
                     "logprobs": None, "finish_reason": None}
             yield sse(_chunk(call, [role], include_usage))
         rendered = call.rendered
-        async for d in engine_stream(call.state, rendered.ids, call.params, rendered.images):
+        async for d in engine_stream(call.state, rendered.ids, call.params, rendered.images,
+                                     grammar_param=call.grammar_param):
             i = d.index
             accs[i].add(d)
             text = texts[i]
@@ -391,7 +399,7 @@ async def _stream(call: ChatCall, request: Request) -> AsyncIterator[bytes]:
     except asyncio.CancelledError:
         raise  # client disconnected: the engine stream is closed, the call recorded aborted
     except APIError as e:
-        status = "error"
+        status = "refused" if refused_unsampled(e, accs) else "error"
         yield sse(error_body(e.status, e.message, e.code, e.param))
     except Exception as e:
         log.exception("engine failed mid-stream")
@@ -401,5 +409,6 @@ async def _stream(call: ChatCall, request: Request) -> AsyncIterator[bytes]:
     finally:
         if call.session is not None:
             call.session.in_flight -= 1
-        call.record([a.completion() for a in accs], aborted=status != "done", texts=texts)
+        if status != "refused":
+            call.record([a.completion() for a in accs], aborted=status != "done", texts=texts)
     yield await stored_stream_end(call.state)

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from agentrl.completion import Completion, CompletionDelta, FinishReason, SamplingParams
 from agentrl.engine.affinity import affinity_key
 from agentrl.engine.base import PromptTooLongError
+from agentrl.engine.grammar import GrammarError, GrammarTooComplexError
 from agentrl.types import Image
 from servers.config import ProxyState
 from servers.errors import APIError, error_body, validation_message
@@ -53,6 +54,13 @@ def render_cost_us(messages: int, chars: int = 0) -> float:
     """Estimated cost of rendering and tokenizing `messages` messages (or items) holding
     `chars` characters of content: ~80 us a message and ~2 us a character."""
     return 80.0 * messages + 2.0 * chars
+
+
+def grammar_cost_us(schema_chars: int) -> float:
+    """Estimated cost of turning JSON schemas of `schema_chars` characters into a grammar:
+    ~0.4 us a character (1.5 MB took 0.6 s; `agentrl.engine.grammar` caps a schema at 256 KiB
+    and caches what it built)."""
+    return 0.5 * schema_chars
 
 
 def parse_body(model: type[M], raw: bytes) -> M:
@@ -280,15 +288,28 @@ async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
+def grammar_refused(e: GrammarError, param: str | None, code: str) -> APIError:
+    """The 400 for a grammar (from the request's `param`) that cannot be built or compiled:
+    `code`, or `grammar_too_complex` past a limit or its compile timeout (#34 item 4)."""
+    too_complex = isinstance(e, GrammarTooComplexError)
+    return APIError(400, str(e), code="grammar_too_complex" if too_complex else code,
+                    param=param)
+
+
 async def engine_generate(
-    state: ProxyState, prompt_ids: list[int], params: SamplingParams, images: list[Image]
+    state: ProxyState, prompt_ids: list[int], params: SamplingParams, images: list[Image],
+    *, grammar_param: str | None = None,
 ) -> list[Completion]:
+    """The engine's completions; `grammar_param` names where the request's grammar came from,
+    for the 400 when the engine cannot compile it."""
     try:
         completions = await state.engine.generate(
             prompt_ids, params, [im.pixels for im in images] or None
         )
     except PromptTooLongError as e:
         raise APIError(400, str(e), code="context_length_exceeded", param="messages") from e
+    except GrammarError as e:
+        raise grammar_refused(e, grammar_param, "invalid_grammar") from None
     if any(c.finish_reason == "abort" for c in completions):
         raise APIError(503, "the engine aborted the request (e.g. a weight update); retry",
                        retry_after=1)
@@ -296,7 +317,8 @@ async def engine_generate(
 
 
 async def engine_stream(
-    state: ProxyState, prompt_ids: list[int], params: SamplingParams, images: list[Image]
+    state: ProxyState, prompt_ids: list[int], params: SamplingParams, images: list[Image],
+    *, grammar_param: str | None = None,
 ) -> AsyncIterator[CompletionDelta]:
     """Token deltas from the engine: native streaming, or generate-then-chunk for an engine
     object that implements only `generate` (a remote engine's stub, a test's fake)."""
@@ -308,14 +330,24 @@ async def engine_stream(
                 yield d
         except PromptTooLongError as e:
             raise APIError(400, str(e), code="context_length_exceeded") from e
+        except GrammarError as e:
+            raise grammar_refused(e, grammar_param, "invalid_grammar") from None
         return
-    completions = await engine_generate(state, prompt_ids, params, images)
+    completions = await engine_generate(state, prompt_ids, params, images,
+                                        grammar_param=grammar_param)
     longest = max((len(c.token_ids) for c in completions), default=0)
     for j in range(max(longest, 1)):
         for i, c in enumerate(completions):
             if j >= len(c.token_ids) and not (j == 0 and not c.token_ids):
                 continue
             yield c.delta(i, j, j + 1, last=j >= len(c.token_ids) - 1)
+
+
+def refused_unsampled(e: APIError, accs: Sequence[Accumulator]) -> bool:
+    """Whether a stream's error refused the request before anything was sampled (a grammar
+    the engine cannot compile, a prompt over its context): then, as for a refusal before the
+    stream began, nothing is recorded."""
+    return e.status < 500 and not any(a.token_ids for a in accs)
 
 
 @dataclass

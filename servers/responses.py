@@ -41,6 +41,7 @@ from servers.generation import (
     engine_stream,
     off_loop,
     parse_request,
+    refused_unsampled,
     render_cost_us,
     stored,
 )
@@ -358,7 +359,8 @@ async def _stream(answer: _Answer, request: Request) -> AsyncIterator[bytes]:
         yield emit("response.created", response=start)
         yield emit("response.in_progress", response=start)
         rendered = call.rendered
-        async for d in engine_stream(call.state, rendered.ids, call.params, rendered.images):
+        async for d in engine_stream(call.state, rendered.ids, call.params, rendered.images,
+                                     grammar_param=call.grammar_param):
             acc.add(d)
             lp = call.logprobs(d.token_ids, d.logprobs, d.top_logprobs)
             entries = lp["content"] if lp is not None else None
@@ -382,7 +384,7 @@ async def _stream(answer: _Answer, request: Request) -> AsyncIterator[bytes]:
     except asyncio.CancelledError:
         raise  # client disconnected: the engine stream is closed, the call recorded aborted
     except APIError as e:
-        status = "error"
+        status = "refused" if refused_unsampled(e, [acc]) else "error"
         yield emit("error", code=e.code, message=e.message, param=e.param)
     except Exception as e:
         log.exception("engine failed mid-stream")
@@ -392,5 +394,5 @@ async def _stream(answer: _Answer, request: Request) -> AsyncIterator[bytes]:
     finally:
         if call.session is not None:
             call.session.in_flight -= 1
-        if status != "done":
+        if status not in ("done", "refused"):
             call.record([acc.completion()], aborted=True, texts=[text])
