@@ -59,6 +59,7 @@ from servers.generation import (
     engine_stream,
     off_loop,
     parse_request,
+    refused_unsampled,
     render_cost_us,
     stored,
 )
@@ -373,7 +374,8 @@ async def _stream(call: ChatCall, req: MessagesRequest) -> AsyncIterator[bytes]:
         yield _event("message_start", message=_message(call, req, [], None, text))
         yield _event("ping")
         rendered = call.rendered
-        async for d in engine_stream(call.state, rendered.ids, call.params, rendered.images):
+        async for d in engine_stream(call.state, rendered.ids, call.params, rendered.images,
+                                     grammar_param=call.grammar_param):
             acc.add(d)
             for chunk in blocks(text.push(d.token_ids)):
                 yield chunk
@@ -398,7 +400,7 @@ async def _stream(call: ChatCall, req: MessagesRequest) -> AsyncIterator[bytes]:
         raise  # client disconnected: the engine stream is closed, the call recorded aborted
     except APIError as e:
         if status != "done":  # (once recorded, a store failure leaves the call as it is)
-            status = "error"
+            status = "refused" if refused_unsampled(e, [acc]) else "error"
         yield _event("error", **_error_fields(e.status, e.message, e.code))
     except Exception as e:
         log.exception("engine failed mid-stream")
@@ -408,7 +410,7 @@ async def _stream(call: ChatCall, req: MessagesRequest) -> AsyncIterator[bytes]:
     finally:
         if call.session is not None:
             call.session.in_flight -= 1
-        if status != "done":
+        if status not in ("done", "refused"):
             call.record([acc.completion()], aborted=True, texts=[text])
 
 

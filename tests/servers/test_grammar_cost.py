@@ -91,6 +91,15 @@ def test_a_grammar_past_its_compile_timeout_is_a_400_and_is_stopped(real_proxy):
                   if line.startswith("data: {")]
     assert events[-1]["error"]["code"] == "grammar_too_complex", events[-1]
     assert grammars.killed == killed + 2
+    # The Anthropic route's stream refuses it the same way, and records nothing either.
+    with httpx.stream("POST", f"{real_proxy.url}/sessions/slow/v1/messages", timeout=60, json={
+            **CHAT, "stream": True,
+            "output_config": {"format": {"type": "json_schema", "schema": _slow_schema("m")}}},
+            ) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    assert events[-1]["type"] == "error", events[-1]
+    assert grammars.killed == killed + 3
     assert all(not s.calls and not s.summary()["aborted_calls"]
                for s in real_proxy.store.list())
     again = httpx.post(url, json={**CHAT, "response_format": small}, timeout=60)
