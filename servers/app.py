@@ -51,9 +51,8 @@ def create_app(
     """
     config = config or ProxyConfig()
     store = store if store is not None else InMemorySessionStore()
-    # Every route checks the session id its path or header carries, whether or not it uses it.
     app = FastAPI(title="agentrl proxy", docs_url=None, redoc_url=None, openapi_url=None,
-                  dependencies=[Depends(requested_session_id)])
+                  dependencies=[Depends(_session_id_checked)])
     app.state.proxy = ProxyState.build(engine, tokenizer, store, config, processor)
     install_error_handlers(app)
     for router in (chat_completions.router, completions.router, responses.router,
@@ -69,6 +68,13 @@ def create_app(
         max_header_bytes=config.max_header_bytes,
     )
     return app
+
+
+async def _session_id_checked(request: Request) -> None:
+    """Every route checks the session id its path or header carries, whether or not it uses
+    it. A coroutine: FastAPI runs a plain function dependency in its thread pool, which cost
+    ~0.25 ms a request."""
+    requested_session_id(request)
 
 
 def _state(request: Request) -> ProxyState:
