@@ -313,9 +313,14 @@ class GrammarMasks:
             return self._compiler
 
     @property
+    def trials_running(self) -> int:
+        """Grammars on trial now in this tokenizer's workers (shared by its engines)."""
+        return self._compiler[1].running if self._compiler is not None else 0
+
+    @property
     def killed(self) -> int:
         """Trials stopped by killing their worker (timed out, or nobody waited), in this
-        tokenizer's workers (shared by every engine of it)."""
+        tokenizer's workers (shared by its engines)."""
         return self._compiler[1].killed if self._compiler is not None else 0
 
     @staticmethod

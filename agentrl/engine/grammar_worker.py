@@ -98,6 +98,8 @@ class TrialWorkers:
 
     tokenizer_info: str
     size: int
+    running: int = 0
+    """Trials being compiled now."""
     killed: int = 0
     """Trials stopped by killing their worker."""
     _idle: list[_Worker] = field(default_factory=list)
@@ -108,6 +110,8 @@ class TrialWorkers:
         """Compile `ebnf` in a worker: TrialFailed, TrialTimedOut, or nothing when it
         compiled. Waits while every worker is busy."""
         worker = await self._take()
+        with self._lock:
+            self.running += 1
         try:
             await asyncio.wait_for(asyncio.to_thread(worker.trial, ebnf), timeout_s)
         except TrialFailed:
@@ -122,6 +126,9 @@ class TrialWorkers:
         except BaseException:  # cancelled: nobody waits for it
             self._kill(worker)
             raise
+        finally:
+            with self._lock:
+                self.running -= 1
         self._give_back(worker)
 
     async def _take(self) -> _Worker:

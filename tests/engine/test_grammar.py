@@ -20,8 +20,8 @@ from agentrl.engine.grammar import (
 
 
 def optional_properties(n: int, prefix: str = "p") -> dict:
-    """A schema whose compile time no limit predicts: 2000 optional properties take ~6-12 s to
-    compile for the tiny 384-token vocabulary (1000 take ~1-2 s), in a 57 KB schema."""
+    """A schema whose compile time no limit predicts: 2000 optional properties took 2-12 s to
+    compile for the tiny 384-token vocabulary (1000, 1-2 s), in a 57 KB schema."""
     return {"type": "object", "properties": {f"{prefix}{i}": {"type": "string"}
                                              for i in range(n)},
             "additionalProperties": False}
@@ -115,12 +115,14 @@ async def test_a_compile_nobody_waits_for_is_stopped(masks):
     share its compile; it stops when the last of them is cancelled, not before."""
     await masks.compile('root ::= "warm"')
     killed = masks.killed
-    slow = json_schema_grammar(optional_properties(2000, "cancel"))
+    slow = json_schema_grammar(optional_properties(3000, "cancel"))
     first, second = (asyncio.create_task(masks.compile(slow)) for _ in range(2))
-    await asyncio.sleep(0.3)
+    while masks.trials_running == 0:
+        await asyncio.sleep(0.02)
     first.cancel()
     await asyncio.sleep(0.3)
     assert masks.killed == killed and not second.done()  # the second still waits for it
+    assert masks.trials_running == 1  # one compile for both
     second.cancel()
     for task in (first, second):
         with pytest.raises(asyncio.CancelledError):

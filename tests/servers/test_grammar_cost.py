@@ -21,11 +21,18 @@ def _format(schema: dict) -> dict:
 
 
 def _slow_schema(prefix: str) -> dict:
-    """2000 optional properties: ~6-12 s to compile for the tiny vocabulary, and 57 KB, under
-    every limit (the prefix makes each test's grammar its own, uncached)."""
+    """3000 optional properties: 86 KB, under every limit, and seconds to compile for the
+    tiny vocabulary (2000 took 2-12 s; the prefix makes each test's grammar its own)."""
     return {"type": "object", "properties": {f"{prefix}{i}": {"type": "string"}
-                                             for i in range(2000)},
+                                             for i in range(3000)},
             "additionalProperties": False}
+
+
+def _wait_for(condition, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
 
 
 def _nested(depth: int) -> dict:
@@ -119,11 +126,9 @@ def test_a_client_that_hangs_up_stops_its_grammar_compile(real_proxy):
         s.sendall(b"POST /sessions/gone/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
                   b"Content-Type: application/json\r\nContent-Length: "
                   + str(len(body)).encode() + b"\r\n\r\n" + body)
-        time.sleep(1.0)  # compiling (for ~6-12 s)
-    deadline = time.monotonic() + 5
-    while grammars.killed == killed and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert grammars.killed == killed + 1
+        assert _wait_for(lambda: grammars.trials_running == 1)  # compiling, for seconds
+    assert _wait_for(lambda: grammars.killed == killed + 1, 5.0)
+    assert grammars.trials_running == 0
     assert httpx.get(f"{real_proxy.url}/health").status_code == 200
 
 
