@@ -165,6 +165,15 @@ class TrialWorkers:
             self._started -= 1
             self.killed += stopped
 
+    def stop_idle(self) -> int:
+        """End the workers not compiling now (the next trial starts one again); how many."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self._started -= len(idle)
+        for worker in idle:
+            worker.kill()
+        return len(idle)
+
 
 
 _SHARED: dict[bytes, TrialWorkers] = {}
@@ -180,6 +189,14 @@ def trial_workers(tokenizer_info: str, size: int) -> TrialWorkers:
         if workers is None:
             workers = _SHARED[key] = TrialWorkers(tokenizer_info, size)
         return workers
+
+
+def stop_idle_workers() -> int:
+    """End every idle worker of this process, of every tokenizer (each holds ~270 MB, and a
+    process that constrains no more output has no use for them); how many."""
+    with _SHARED_LOCK:
+        shared = list(_SHARED.values())
+    return sum(workers.stop_idle() for workers in shared)
 
 
 def _put(pipe: IO[bytes], data: bytes) -> None:

@@ -19,6 +19,19 @@ def bwrap_present() -> None:
         pytest.skip("bubblewrap is not installed (apt-get install -y bubblewrap)")
 
 
+@pytest.fixture(scope="package", autouse=True)
+def no_other_children() -> None:
+    """The sandbox tests count this process's children (a sandbox must leave none): first end
+    the long-lived ones earlier tests may have left, the idle grammar compile workers."""
+    from agentrl.engine.grammar_worker import stop_idle_workers
+
+    from ._helpers import descendants
+
+    stop_idle_workers()
+    left = descendants(os.getpid())
+    assert not left, f"processes started by earlier tests are still running: {sorted(left)}"
+
+
 @pytest.fixture(scope="session")
 def sb(bwrap_present: None) -> Iterator[Sandbox]:
     """A strict sandbox; construction failing here is a test failure, not a skip."""

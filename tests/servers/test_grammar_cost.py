@@ -127,7 +127,8 @@ def test_a_client_that_hangs_up_stops_its_grammar_compile(real_proxy):
                   b"Content-Type: application/json\r\nContent-Length: "
                   + str(len(body)).encode() + b"\r\n\r\n" + body)
         assert _wait_for(lambda: grammars.trials_running == 1)  # compiling, for seconds
-    assert _wait_for(lambda: grammars.killed == killed + 1, 5.0)
+    # (within the compile's own 6-12 s: a hang-up seen late, on a loaded machine, still counts)
+    assert _wait_for(lambda: grammars.killed == killed + 1, 15.0)
     assert grammars.trials_running == 0
     assert httpx.get(f"{real_proxy.url}/health").status_code == 200
 
