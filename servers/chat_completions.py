@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -259,19 +260,33 @@ async def chat_completions(request: Request) -> Response:
     state = _state(request)
     req = await parse_request(ChatCompletionRequest, request, state)
     call = await prepare(state, request, req)
+    stream = _stream(call, request) if req.stream else None
+    return await respond(call, request, stream, functools.partial(_complete, call))
+
+
+async def respond(
+    call: ChatCall,
+    request: Request,
+    stream: AsyncIterator[bytes] | None,
+    answer: Callable[[list[Completion], list[ChoiceText]], Awaitable[Response]],
+) -> Response:
+    """Answer a prepared call, counted in its session's in-flight requests until it is answered:
+    `stream` (whose generator ends the count when it ends) as server-sent events, or else every
+    choice sampled whole and handed to `answer`; 499 when the client went first. Every route
+    that samples through `sample` answers this way."""
     if call.session is not None:
         call.session.in_flight += 1
+    if stream is not None:
+        return StreamingResponse(stream, media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
     try:
-        if req.stream:
-            return StreamingResponse(
-                _stream(call, request),
-                media_type="text/event-stream",
-                headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
-            )
-        return await _complete(call, request)
+        completions, texts = await sample(call, request)
+    except ClientDisconnected:
+        return Response(status_code=499)
     finally:
-        if call.session is not None and not req.stream:
+        if call.session is not None:
             call.session.in_flight -= 1
+    return await answer(completions, texts)
 
 
 async def sample(call: ChatCall, request: Request) -> tuple[list[Completion], list[ChoiceText]]:
@@ -297,11 +312,9 @@ async def sample(call: ChatCall, request: Request) -> tuple[list[Completion], li
     return completions, texts
 
 
-async def _complete(call: ChatCall, request: Request) -> Response:
-    try:
-        completions, texts = await sample(call, request)
-    except ClientDisconnected:
-        return Response(status_code=499)
+async def _complete(
+    call: ChatCall, completions: list[Completion], texts: list[ChoiceText]
+) -> Response:
     choices = []
     for i, (c, text) in enumerate(zip(completions, texts, strict=True)):
         message: dict = {"role": "assistant", "content": text.content, "refusal": None}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import secrets
@@ -27,7 +28,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
 
@@ -44,7 +45,7 @@ from servers.anthropic_schemas import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from servers.chat_completions import ChatCall, prepare, sample
+from servers.chat_completions import ChatCall, prepare, respond
 from servers.config import ProxyState
 from servers.errors import (
     APIError,
@@ -54,7 +55,6 @@ from servers.errors import (
 )
 from servers.generation import (
     Accumulator,
-    ClientDisconnected,
     check_model,
     engine_stream,
     off_loop,
@@ -249,19 +249,13 @@ async def create_message(request: Request) -> Response:
     req = await parse_request(MessagesRequest, request, state)
     call = await prepare(state, request, await _chat(req))
     call.id = "msg_" + secrets.token_hex(12)  # the session records the call under this id
-    if call.session is not None:
-        call.session.in_flight += 1
-    if req.stream:
-        return StreamingResponse(_stream(call, req), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache",
-                                          "x-accel-buffering": "no"})
-    try:
-        [completion], [text] = await sample(call, request)
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        if call.session is not None:
-            call.session.in_flight -= 1
+    stream = _stream(call, req) if req.stream else None
+    return await respond(call, request, stream, functools.partial(_respond, call, req))
+
+
+async def _respond(call: ChatCall, req: MessagesRequest, completions: list[Completion],
+                   texts: list[ChoiceText]) -> Response:
+    [completion], [text] = completions, texts
     content: list[dict] = [{"type": "text", "text": text.content}] if text.content else []
     content += [_tool_use(c) for c in text.calls]
     return JSONResponse(_message(call, req, content, completion, text))

@@ -18,6 +18,7 @@ file search, ...) and `item_reference` items are refused with a 400.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import secrets
@@ -25,18 +26,17 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import (
     ValidationError,
 )
 
 from agentrl.completion import Completion
-from servers.chat_completions import ChatCall, prepare, sample
+from servers.chat_completions import ChatCall, prepare, respond
 from servers.config import ProxyState
 from servers.errors import APIError, validation_message
 from servers.generation import (
     Accumulator,
-    ClientDisconnected,
     bind_session,
     engine_stream,
     off_loop,
@@ -245,19 +245,14 @@ async def create_response(request: Request) -> Response:
                           history)
     call = await prepare(state, request, chat)
     answer = _Answer(call, req)
-    if call.session is not None:
-        call.session.in_flight += 1
-    if req.stream:
-        return StreamingResponse(_stream(answer, request), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache",
-                                          "x-accel-buffering": "no"})
-    try:
-        [completion], [text] = await sample(call, request)
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        if call.session is not None:
-            call.session.in_flight -= 1
+    stream = _stream(answer, request) if req.stream else None
+    return await respond(call, request, stream, functools.partial(_respond, answer))
+
+
+async def _respond(answer: _Answer, completions: list[Completion],
+                   texts: list[ChoiceText]) -> Response:
+    [completion], [text] = completions, texts
+    call = answer.call
     logprobs = call.logprobs(completion.token_ids, completion.logprobs,
                              completion.top_logprobs)
     status = answer.status(completion, text)
