@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from agentrl.models.embedded import EMBEDDED_ALIASES, EMBEDDED_NAME, INSTALL_HINT
-from agentrl.models.named import named_model_dir, named_models
+from agentrl.models.named import canonical_model_name, named_model_dir, named_models
 from agentrl.models.tiny import TINY_NAME, TINY_VLMS
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ def available_models() -> list[str]:
 
 def _resolve(name: str) -> tuple[str, Path | None]:
     """Return ("embedded" | "tiny" | "tiny-vlm" | "path", path)."""
-    if name in EMBEDDED_ALIASES or name.lower() in {a.lower() for a in EMBEDDED_ALIASES}:
+    if canonical_model_name(name) == EMBEDDED_NAME:
         from agentrl.models.embedded import embedded_dir
 
         return "embedded", embedded_dir()
