@@ -1,8 +1,9 @@
 """`agentrl export RUN_DIR --merge`: a plain Hugging Face model directory from a LoRA run.
 
 A run trained with `--actor.lora_rank` (train, sft, dpo, rm) saves its adapters as
-RUN_DIR/adapter (peft's format) and the merged model as RUN_DIR/hf at the end (`save_trained`,
-which every trainer ends with, on one rank or many). This command
+RUN_DIR/adapter (peft's format) and the merged model as RUN_DIR/hf at the end
+(`agentrl.models.lora.save_trained`, which every trainer ends with, on one rank or many). This
+command
 merges the adapters of RUN_DIR/adapter, or of another adapter directory (`--adapter`), into
 the base model the run's config.json names and writes a directory that loads without peft. A
 QLoRA run's adapters merge into its base as the run held it, in 4 bits (dequantized): the
@@ -13,17 +14,12 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import tyro
 
 from agentrl.command_line import parse_flags
-
-if TYPE_CHECKING:
-    from torch import Tensor
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,23 +32,6 @@ class ExportArgs:
     """Adapter directory (default: RUN_DIR/adapter)."""
     out: str | None = None
     """Where to write the model (default: RUN_DIR/hf)."""
-
-
-def save_trained(model: Any, tokenizer: Any, path: Path,
-                 state: Mapping[str, Tensor] | None = None) -> None:
-    """What a run leaves at its end, at `path` (RUN_DIR/hf): a plain Hugging Face directory of
-    the trained model; with LoRA the merged model, and the adapters beside it as RUN_DIR/adapter
-    (peft's format, what --merge reads). `state`: the model's full state dict where it is
-    sharded over ranks (gathered by its backend; rank 0 writes); None: the model holds it."""
-    from agentrl.models.lora import is_lora, save_merged
-
-    if is_lora(model):
-        model.save_pretrained(str(path.parent / "adapter"), state_dict=state)
-        save_merged(model, tokenizer, path, state)
-        return
-    # save_pretrained empties the state dict it is given.
-    model.save_pretrained(path, state_dict=None if state is None else dict(state))
-    tokenizer.save_pretrained(path)
 
 
 def export(args: ExportArgs) -> Path:

@@ -179,7 +179,7 @@ class OfflineTrainer:
     def export_hf(self, path: Path) -> None:
         """A plain Hugging Face directory of the trained model; with LoRA, the adapters too
         (RUN_DIR/adapter) and `path` holds the merged model. Rank 0 writes them."""
-        from trainers.export import save_trained
+        from agentrl.models.lora import save_trained
 
         state = self.full_weights()
         if self.rank == 0:

@@ -369,7 +369,7 @@ class PolicyWorker:
 
     def export_hf(self, path: str) -> None:
         """RUN_DIR/hf (and with LoRA RUN_DIR/adapter), written by rank 0."""
-        from trainers.export import save_trained
+        from agentrl.models.lora import save_trained
 
         # Gathering sharded weights is a collective: every rank calls it.
         state = dict(self.policy.full_weights()) if self.cfg.num_policy_workers > 1 else None

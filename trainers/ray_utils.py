@@ -117,10 +117,12 @@ def _check_answers(address: str) -> None:
 
 
 def current_node() -> str:
-    """The Ray node id of this process ("local" outside Ray)."""
-    import ray
-
-    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+    """The Ray node id of this process ("local" outside Ray; Ray is not imported for it, so
+    `--use_ray false` runs where Ray is not installed)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return "local"
+    return ray.get_runtime_context().get_node_id()
 
 
 def actor_options(

@@ -92,7 +92,7 @@ class RMTrainer(PairTrainer):
         """The language model (its backbone trained) at `path`, as the policy's export is (with
         LoRA, merged, and RUN_DIR/adapter), and the reward model beside it at
         RUN_DIR/reward_model. Rank 0 writes them."""
-        from trainers.export import save_trained
+        from agentrl.models.lora import save_trained
 
         full = self.full_weights()  # the ValueModel's, gathered when sharded over ranks
         if self.rank != 0:

@@ -331,12 +331,14 @@ class GrammarMasks:
 
     def apply(self, logits_B_V: torch.Tensor,
               matchers: Sequence[xgr.GrammarMatcher | None]) -> None:
-        """Set, in place, the logits of tokens each row's matcher forbids to -inf."""
-        import xgrammar as xgr
-
+        """Set, in place, the logits of tokens each row's matcher forbids to -inf. Without a
+        matcher in the batch this is a no-op that never imports xgrammar (unconstrained sampling
+        runs where xgrammar is not installed)."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return
+        import xgrammar as xgr
+
         bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
         for i in rows:
             matcher = matchers[i]

@@ -162,6 +162,21 @@ def save_merged(model: nn.Module, tokenizer: Any, path: str | Path,
     tokenizer.save_pretrained(path)
 
 
+def save_trained(model: Any, tokenizer: Any, path: Path,
+                 state: Mapping[str, Tensor] | None = None) -> None:
+    """What a run leaves at its end, at `path` (RUN_DIR/hf): a plain Hugging Face directory of
+    the trained model; with LoRA the merged model, and the adapters beside it as RUN_DIR/adapter
+    (peft's format, what --merge reads). `state`: the model's full state dict where it is
+    sharded over ranks (gathered by its backend; rank 0 writes); None: the model holds it."""
+    if is_lora(model):
+        model.save_pretrained(str(path.parent / "adapter"), state_dict=state)
+        save_merged(model, tokenizer, path, state)
+        return
+    # save_pretrained empties the state dict it is given.
+    model.save_pretrained(path, state_dict=None if state is None else dict(state))
+    tokenizer.save_pretrained(path)
+
+
 def trainable_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, all) parameter counts."""
     params = list(model.parameters())

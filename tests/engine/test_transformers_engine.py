@@ -528,3 +528,13 @@ async def test_weight_update_mid_request_is_partial_rollout(tiny_tokenizer, prom
                       - recompute_logprobs(old, prompt, c.token_ids))[:switch]
     torch.testing.assert_close(weights[switch:], torch.ones(160 - switch), atol=1e-3, rtol=0)
     torch.testing.assert_close(weights[:switch], ratio.clamp(0.5, 5.0), atol=1e-3, rtol=1e-3)
+
+
+async def test_unconstrained_sampling_runs_without_xgrammar(engine, prompts, monkeypatch):
+    """xgrammar is needed only for a grammar (tools, response_format): a GPU image without it
+    sampled nothing until the sampler stopped importing it for batches with no matcher."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` now raises
+    [c] = await engine.generate(prompts[0], SamplingParams(temperature=1.0, max_tokens=8, seed=1))
+    assert c.token_ids and len(c.logprobs) == len(c.token_ids)

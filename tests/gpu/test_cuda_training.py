@@ -68,6 +68,7 @@ def test_a_qlora_step_on_the_gpu_trains_adapters_whose_merge_is_the_model(make_c
     """QLoRA on CUDA: the base's linear layers packed in 4 bits on the GPU, an update moves
     only the adapters, and the merged weights an engine would load compute what the 4-bit
     model computes (the same path the CPU tests run, on bitsandbytes' CUDA kernels)."""
+    pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (a dependency of agentrl)")
     from agentrl.models import load_model
     from agentrl.trajectory_files import load_jsonl
     from trainers.policy import PolicyWorker

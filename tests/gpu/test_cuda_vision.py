@@ -26,7 +26,7 @@ def test_cuda_screenshot_episode_logprobs_match_the_trainers(tmp_path, name):
     worker = PolicyWorker(tiny_cfg(tmp_path, actor={"model": name, "device": "cuda"}),
                           with_engine=False)
     assert next(worker.model.parameters()).device.type == "cuda"
-    trajs = _rollout(name, worker.model, worker.tokenizer)
+    trajs = _rollout(name, worker.model, worker.tokenizer, worker.vision.image_token_id)
     assert all(len(t.images) == 3 for t in trajs)
     gap, n = sampled_logprob_gap(worker, trajs)
     print(f"{name}: max |trainer - engine| log-prob over {n} sampled tokens = {gap:.2e}")
@@ -41,7 +41,7 @@ def test_a_bf16_cuda_step_on_screenshot_episodes(tmp_path, name):
 
     cfg = tiny_cfg(tmp_path, actor={"model": name, "device": "cuda", "mixed_precision": "bf16"})
     worker = PolicyWorker(cfg, with_engine=False)
-    trajs = _rollout(name, worker.model, worker.tokenizer)
+    trajs = _rollout(name, worker.model, worker.tokenizer, worker.vision.image_token_id)
     before = {k: v.detach().clone() for k, v in worker.model.named_parameters()}
     metrics = worker.train(trajs, kl_coef=cfg.algo.kl_coef)
     assert torch.isfinite(torch.tensor(metrics["loss"])) and metrics["grad_norm"] > 0

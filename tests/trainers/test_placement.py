@@ -214,3 +214,14 @@ def test_ray_options_without_a_cluster() -> None:
     small = PlacementGroup(PlacementGroupID.from_random(), bundle_cache=[{"GPU": 1}])
     with pytest.raises(ValueError, match=r"pass the group made from plan.node_bundles\(0\)"):
         ray_options(plan, small, engine)
+
+
+def test_the_node_of_a_run_without_ray_is_local_and_needs_no_ray(monkeypatch):
+    """`--use_ray false` runs where Ray is not installed (a GPU image without it stopped at
+    this call): outside Ray the node is "local", and Ray is not imported to find that out."""
+    import sys
+
+    from trainers.ray_utils import current_node
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises
+    assert current_node() == "local"
