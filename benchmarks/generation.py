@@ -13,6 +13,7 @@ runs the model in a process of its own: its side reports that process's peak RSS
     python benchmarks/generation.py                         # CPU: 32 prompts x 4, 128 tokens
     python benchmarks/generation.py --sides engine,vllm     # the two engines only
     python benchmarks/generation.py --device cuda --prompts 256 --samples 8
+    python3 benchmarks/generation.py --device cuda --dtype bfloat16 --sides baseline,engine
     python benchmarks/generation.py --no-lean-decode        # engine without the CPU decode step
 """
 
@@ -167,7 +168,7 @@ def child(args) -> None:
         rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         out = run_vllm(prompts, args)
     else:
-        model = load_model(args.model).to(args.device)
+        model = load_model(args.model).to(args.device, dtype=getattr(torch, args.dtype))
         rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         fn = run_engine if args.child == "engine" else run_baseline
         out = fn(model, tok, prompts, args)
@@ -186,6 +187,10 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"],
+        help="weights of the baseline and engine sides (vLLM runs float32)",
+    )
     ap.add_argument("--max-batch-size", type=int, default=64, help="engine slots")
     ap.add_argument(
         "--baseline-batch", type=int, default=0, help="rows per generate call (0 = all)"
@@ -206,7 +211,8 @@ def main() -> None:
         return
     sides = [s for s in args.sides.split(",") if s]
     if not sides or any(s not in SIDES for s in sides):
-        ap.error(f"--sides takes a comma-separated subset of {', '.join(SIDES)}, got {args.sides!r}")
+        ap.error(f"--sides takes a comma-separated subset of {', '.join(SIDES)}, "
+                 f"got {args.sides!r}")
     from agentrl.backends.cpu.kernels import cpu_model, vector_flags
 
     print(f"CPU: {cpu_model()} [{vector_flags()}], {os.cpu_count()} CPUs; load average before: "

@@ -11,6 +11,10 @@ median of the rounds' ratios (this VM's speed drifts between minutes).
 
     .venv/bin/pip install -e ".[bench]"     # TRL 1.16 (not part of the default set-up)
     .venv/bin/python benchmarks/grpo_vs_trl.py --steps 8 --rounds 3
+    .venv/bin/python benchmarks/grpo_vs_trl.py --no-trl-gc          # matched: no checkpointing
+    python3 benchmarks/grpo_vs_trl.py --device cuda --bf16          # one GPU (gpu_check.sh)
+
+On a GPU the memory ratio compares peak CUDA memory (torch.cuda.max_memory_allocated).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 from machine import run_child  # benchmarks/machine.py
 from workloads import QUESTIONS, trl_step_timer  # benchmarks/workloads.py
@@ -35,7 +40,7 @@ def length_reward(text: str) -> float:
     return -abs(20 - len(text)) / 20
 
 
-def run_agentrl(steps: int, use_ray: bool, gc: bool, bf16: bool) -> dict:
+def run_agentrl(steps: int, use_ray: bool, gc: bool, bf16: bool, device: str) -> dict:
     import agentrl
     from trainers.config import ActorConfig, AlgoConfig, RolloutConfig, TrainConfig
     from trainers.controller import Trainer
@@ -53,6 +58,7 @@ def run_agentrl(steps: int, use_ray: bool, gc: bool, bf16: bool) -> dict:
         actor=ActorConfig(
             model="smollm2-135m-instruct",
             lr=1e-6,
+            device=device,
             gradient_checkpointing=gc,
             mixed_precision="bf16" if bf16 else "no",
         ),
@@ -83,7 +89,7 @@ def run_agentrl(steps: int, use_ray: bool, gc: bool, bf16: bool) -> dict:
     }
 
 
-def run_trl(steps: int, bf16: bool) -> dict:
+def run_trl(steps: int, bf16: bool, device: str, gc: bool) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -116,8 +122,8 @@ def run_trl(steps: int, bf16: bool) -> dict:
         use_vllm=False,
         bf16=bf16,
         fp16=False,
-        use_cpu=True,
-        gradient_checkpointing=True,
+        use_cpu=device == "cpu",
+        gradient_checkpointing=gc,
         logging_steps=1,
         report_to="none",
         save_strategy="no",
@@ -130,12 +136,45 @@ def run_trl(steps: int, bf16: bool) -> dict:
         processing_class=tok,
         callbacks=[trl_step_timer(times)],
     )
+    gen = _time_trl_generation(trainer, times)
     t0 = time.perf_counter()
     try:
         trainer.train()
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
-    return {"step_times": times, "total_s": time.perf_counter() - t0}
+    # Generation happens inside the optimizer step that consumes it: the rest is the update.
+    gen_s = gen["seconds"][: len(times)]
+    return {
+        "step_times": times,
+        "phases": {
+            "generate": gen_s,
+            "update": [t - g for t, g in zip(times, gen_s, strict=False)],
+        },
+        "generate_tok_s": [n / s for n, s in zip(gen["tokens"], gen["seconds"], strict=False)],
+        "total_s": time.perf_counter() - t0,
+    }
+
+
+def _time_trl_generation(trainer: Any, times: list[float]) -> dict[str, list]:
+    """Wrap GRPOTrainer._generate (TRL 1.16: prompts in, completion ids among what it returns)
+    to record the seconds and completion tokens of each optimizer step's generation."""
+    out: dict[str, list] = {"seconds": [], "tokens": []}
+    inner = trainer._generate
+
+    def timed(prompts: list) -> Any:
+        t0 = time.perf_counter()
+        res = inner(prompts)
+        if len(out["seconds"]) > len(times):  # a second generation within one step: sum them
+            out["seconds"][-1] += time.perf_counter() - t0
+        else:
+            out["seconds"].append(time.perf_counter() - t0)
+            out["tokens"].append(0)
+        completion_ids = res[1]
+        out["tokens"][-1] += sum(len(c) for c in completion_ids)
+        return res
+
+    trainer._generate = timed
+    return out
 
 
 def _steal_ticks() -> int | None:
@@ -154,9 +193,11 @@ def _child(opts: argparse.Namespace) -> None:
     torch.set_num_threads(os.cpu_count() or 2)
     steal0, t0 = _steal_ticks(), time.perf_counter()
     if opts.child == "trl":
-        out = run_trl(opts.steps, opts.bf16)
+        out = run_trl(opts.steps, opts.bf16, opts.device, not opts.no_trl_gc)
     else:
-        out = run_agentrl(opts.steps, opts.ray, opts.agentrl_gc, opts.bf16)
+        out = run_agentrl(opts.steps, opts.ray, opts.agentrl_gc, opts.bf16, opts.device)
+    if opts.device.startswith("cuda"):
+        out["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
     steal1, wall = _steal_ticks(), time.perf_counter() - t0
     if steal0 is not None and steal1 is not None:
         # Share of this child's CPU time (all CPUs x wall time) that ran other guests instead.
@@ -187,23 +228,41 @@ def main() -> None:
         help="both sides in bf16 mixed precision (TRL: bf16=True, its GRPOConfig default; "
         "agentrl: --actor.mixed_precision bf16) instead of the issue's fp32",
     )
+    p.add_argument(
+        "--no-trl-gc",
+        action="store_true",
+        help="turn TRL's gradient checkpointing off (its GRPOConfig default is on): with "
+        "--agentrl-gc left off, both sides then run without it",
+    )
+    p.add_argument(
+        "--device", default="cpu",
+        help="cpu, or cuda for both sides on one GPU (TRL: use_cpu=False)",
+    )
     args = p.parse_args()
     if args.child:
         _child(args)
         return
     # The VM's speed drifts by tens of percent between minutes: alternate the two sides and
     # compare each round's pair, rather than one long run of each.
-    rounds = [
-        {name: run_child(__file__, sys.argv[1:], name) for name in ("trl", "agentrl")}
-        for _ in range(args.rounds)
-    ]
+    rounds: list[dict[str, dict]] = []
+    for k in range(args.rounds):
+        rounds.append({})
+        for name in ("trl", "agentrl"):
+            try:
+                rounds[-1][name] = run_child(__file__, sys.argv[1:], name)
+            except RuntimeError:
+                # Keep what the other side measured: it cost as much to get.
+                for done, r in rounds[-1].items():
+                    print(f"round {k + 1} {done} (before the failure): " + json.dumps(r))
+                raise
     precision = "bf16 mixed" if args.bf16 else "fp32"
     from agentrl.backends.cpu import calibrate, kernels
 
     print(
         f"steps={args.steps} (median over steps 2..{args.steps}), rounds={args.rounds}, "
-        f"cpus={os.cpu_count()}, {precision}, agentrl gradient checkpointing "
-        f"{'on' if args.agentrl_gc else 'off'}\nCPU: {kernels.cpu_model()} "
+        f"cpus={os.cpu_count()}, device {args.device}, {precision}, gradient checkpointing: "
+        f"agentrl {'on' if args.agentrl_gc else 'off'}, TRL {'off' if args.no_trl_gc else 'on'}"
+        f"\nCPU: {kernels.cpu_model()} "
         f"[{kernels.vector_flags()}]; agentrl's CPU kernels in use: {calibrate.choice()}"
     )
     speedups, mem_ratios = [], []
@@ -219,8 +278,14 @@ def main() -> None:
             )
             for phase, times in r.get("phases", {}).items():
                 print(f"{'':17s}{phase:8s} median {statistics.median(times[1:] or times):.2f} s")
+            if r.get("generate_tok_s"):
+                rates = r["generate_tok_s"]
+                print(f"{'':17s}generate median {statistics.median(rates[1:] or rates):.0f} tok/s")
+            if "peak_cuda_mb" in r:
+                print(f"{'':17s}peak CUDA memory {r['peak_cuda_mb']:.0f} MB")
         speedups.append(med["trl"] / med["agentrl"])
-        mem_ratios.append(res["agentrl"]["peak_rss_mb"] / res["trl"]["peak_rss_mb"])
+        mem = "peak_cuda_mb" if args.device.startswith("cuda") else "peak_rss_mb"
+        mem_ratios.append(res["agentrl"][mem] / res["trl"][mem])
         print(f"round {k + 1} speedup {speedups[-1]:.2f}x, memory ratio {mem_ratios[-1]:.2f}")
     print(
         f"speedup agentrl vs TRL: {statistics.median(speedups):.2f}x per step (median of "
