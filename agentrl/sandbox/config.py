@@ -116,6 +116,16 @@ class SandboxConfig:
         """A copy with some fields changed (configs are never mutated)."""
         return dataclasses.replace(self, **changes)
 
+    def call_timeout(self, code: str, timeout_s: float | None) -> float:
+        """The wall-clock limit of one run or session call: `timeout_s`, else `timeout_s` of
+        the config. Checks the call's arguments (`Sandbox.run`, `Session.run`) first."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if not timeout > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        if not isinstance(code, str):
+            raise TypeError(f"code must be str, got {type(code).__name__}")
+        return timeout
+
 
 @dataclass(frozen=True)
 class ExecResult:

@@ -160,11 +160,7 @@ class Sandbox:
 
     def run(self, code: str, timeout_s: float | None = None) -> ExecResult:
         """Run `code` as `python3 -I -u main.py` in a fresh sandbox; never raises for bad code."""
-        timeout = self.config.timeout_s if timeout_s is None else timeout_s
-        if not timeout > 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
-        if not isinstance(code, str):
-            raise TypeError(f"code must be str, got {type(code).__name__}")
+        timeout = self.config.call_timeout(code, timeout_s)
         with self._slots:
             return run_once(self.config, self._plan, code, timeout, time.monotonic())
 

@@ -86,11 +86,7 @@ class Session:
 
     def run(self, code: str, timeout_s: float | None = None) -> ExecResult:
         """Execute `code` in the session's namespace; a trailing expression's repr is printed."""
-        timeout = self._cfg.timeout_s if timeout_s is None else timeout_s
-        if not timeout > 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
-        if not isinstance(code, str):
-            raise TypeError(f"code must be str, got {type(code).__name__}")
+        timeout = self._cfg.call_timeout(code, timeout_s)
         with self._lock, self._slots:
             if self._closed:
                 raise RuntimeError("Session.run after close(); open a new one with "

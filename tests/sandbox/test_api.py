@@ -129,10 +129,13 @@ def test_config_validation_messages() -> None:
 
 
 def test_run_argument_errors(sb: Sandbox) -> None:
-    with pytest.raises(ValueError, match="timeout_s must be positive"):
-        sb.run("1", timeout_s=0)
-    with pytest.raises(TypeError, match="code must be str"):
-        sb.run(b"print(1)")  # type: ignore[arg-type]
+    with sb.session() as session:  # one check for both kinds of call (SandboxConfig.call_timeout)
+        for run in (sb.run, session.run):
+            with pytest.raises(ValueError, match="timeout_s must be positive"):
+                run("1", timeout_s=0)
+            with pytest.raises(TypeError, match="code must be str"):
+                run(b"print(1)")  # type: ignore[arg-type]
+        assert not session.alive  # rejected before an interpreter started
 
 
 def test_result_shape(sb: Sandbox) -> None:
