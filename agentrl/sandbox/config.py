@@ -22,6 +22,15 @@ class SandboxUnavailableError(RuntimeError):
     """Isolation cannot be set up here; raised instead of silently running unisolated."""
 
 
+_FLOORS: dict[str, tuple[int, str]] = {
+    "max_processes": (4, " (the interpreter and the sandbox's init count)"),
+    "max_open_files": (16, " (python needs a few)"),
+    "memory_mb": (32, " (python needs ~10 MB)"),
+    "num_sandbox_uids": (1, ""),
+}
+"""The least a `SandboxConfig` field may be, and why (said in the error)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class SandboxConfig:
     """Limits for one execution (a one-shot run, or one call of a session)."""
@@ -88,18 +97,10 @@ class SandboxConfig:
             if value is not None and (not math.isfinite(value) or value <= 0):
                 raise ValueError(f"SandboxConfig.{name} must be None or a positive number, "
                                  f"got {value!r}")
-        if self.max_processes < 4:
-            raise ValueError(f"SandboxConfig.max_processes must be >= 4 (the interpreter and "
-                             f"the sandbox's init count), got {self.max_processes}")
-        if self.max_open_files < 16:
-            raise ValueError(f"SandboxConfig.max_open_files must be >= 16 (python needs a few), "
-                             f"got {self.max_open_files}")
-        if self.memory_mb < 32:
-            raise ValueError(f"SandboxConfig.memory_mb must be >= 32 (python needs ~10 MB), "
-                             f"got {self.memory_mb}")
-        if self.num_sandbox_uids < 1:
-            raise ValueError(f"SandboxConfig.num_sandbox_uids must be >= 1, got "
-                             f"{self.num_sandbox_uids}")
+        for name, (floor, why) in _FLOORS.items():
+            value = getattr(self, name)
+            if value < floor:
+                raise ValueError(f"SandboxConfig.{name} must be >= {floor}{why}, got {value}")
         if not 0 < self.sandbox_uid <= 2**32 - 1 - self.num_sandbox_uids:
             raise ValueError(f"SandboxConfig.sandbox_uid must be an unprivileged uid with "
                              f"num_sandbox_uids={self.num_sandbox_uids} uids after it below "
