@@ -191,21 +191,6 @@ async def test_prompt_too_long(engine):
     assert (len(c.token_ids), c.finish_reason) == (8, "length")
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"n": 0}, "n must be"),
-        ({"max_tokens": -1}, "max_tokens"),
-        ({"top_p": 0.0}, "top_p"),
-        ({"top_p": 1.5}, "top_p"),
-        ({"temperature": -1}, "temperature"),
-    ],
-)
-def test_bad_sampling_params(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        SamplingParams(**kwargs)
-
-
 async def test_bad_prompts(engine):
     with pytest.raises(ValueError, match="empty"):
         await engine.generate([], GREEDY)
