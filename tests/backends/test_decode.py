@@ -10,7 +10,12 @@ from agentrl.backends.cpu.decode import decode_logits
 from agentrl.completion import SamplingParams
 from agentrl.engine.kv import BatchCache
 from agentrl.engine.transformers_engine import TransformersEngine
-from tests.engine._models import generate_together, llama_variant, prefill_cache, sharp_tiny_model
+from tests.engine._models import (
+    generate_with_decode_step,
+    llama_variant,
+    prefill_cache,
+    sharp_tiny_model,
+)
 
 
 def _decode_both(model, prompts, steps):
@@ -80,18 +85,12 @@ async def test_engine_samples_the_same_with_and_without_the_lean_step(
     ]
     results = {}
     for lean in (True, False):
-        # No prefix cache: a request resumed from cached KV may differ in the last float bits.
         # No CPU kernels (their sums round differently; tests/backends/test_kernels.py).
-        with TransformersEngine(
-            model,
-            tiny_tokenizer,
-            max_batch_size=8,
-            prefix_cache_bytes=0,
-            decode_step=decode_logits if lean else None,
-        ) as engine:
-            results[lean] = await generate_together(engine, requests)
-            assert (engine.counters["lean_decode_steps"] > 0) == lean
-            assert engine.counters["lean_decode_steps"] in (0, engine.counters["decode_steps"])
+        results[lean], counters = await generate_with_decode_step(
+            model, tiny_tokenizer, requests, decode_logits if lean else None, max_batch_size=8
+        )
+        assert (counters["lean_decode_steps"] > 0) == lean
+        assert counters["lean_decode_steps"] in (0, counters["decode_steps"])
     assert results[True] == results[False]  # tokens, logprobs and top logprobs, exactly
     assert sum(len(c.token_ids) for cs in results[True] for c in cs) > 50
 

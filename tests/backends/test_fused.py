@@ -198,8 +198,7 @@ async def test_the_lean_decode_step_reads_the_stand_ins(tiny_tokenizer, prompts,
     from agentrl.backends import OptimizerSpec, create_backend
     from agentrl.backends.cpu.decode import decode_logits
     from agentrl.completion import SamplingParams
-    from agentrl.engine.transformers_engine import TransformersEngine
-    from tests.engine._models import generate_together, sharp_tiny_model
+    from tests.engine._models import generate_with_decode_step, sharp_tiny_model
 
     monkeypatch.setenv(kernels.ENV, "1")
     stock = sharp_tiny_model(tiny_tokenizer)
@@ -211,11 +210,11 @@ async def test_the_lean_decode_step_reads_the_stand_ins(tiny_tokenizer, prompts,
     results = []
     for model in (stock, swapped):
         model.eval()
-        with TransformersEngine(
-            model, tiny_tokenizer, prefix_cache_bytes=0, decode_step=decode_logits
-        ) as engine:
-            results.append(await generate_together(engine, requests))
-            assert engine.counters["lean_decode_steps"] == engine.counters["decode_steps"] > 0
+        completions, counters = await generate_with_decode_step(
+            model, tiny_tokenizer, requests, decode_logits
+        )
+        results.append(completions)
+        assert counters["lean_decode_steps"] == counters["decode_steps"] > 0
     assert results[0] == results[1]
 
 

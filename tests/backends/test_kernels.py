@@ -18,8 +18,7 @@ from agentrl.backends.cpu import kernels
 from agentrl.backends.cpu.decode import decode_logits
 from agentrl.completion import SamplingParams
 from agentrl.engine.kv import BatchCache
-from agentrl.engine.transformers_engine import TransformersEngine
-from tests.engine._models import generate_together, llama_variant, prefill_cache
+from tests.engine._models import generate_with_decode_step, llama_variant, prefill_cache
 
 pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None or shutil.which("ninja") is None,
@@ -225,17 +224,13 @@ async def test_engine_decodes_with_the_kernels(module, tiny_tokenizer, prompts):
     ]
     results = {}
     for cpu_kernels in (True, False):
-        with TransformersEngine(
-            model,
-            tiny_tokenizer,
-            max_batch_size=8,
-            prefix_cache_bytes=0,
-            decode_step=functools.partial(decode_logits, cpu_kernels=cpu_kernels),
-        ) as engine:
-            results[cpu_kernels] = await generate_together(engine, requests)
-            steps = engine.counters["decode_steps"]
-            assert engine.counters["lean_decode_steps"] == steps > 0
-            assert engine.counters["kernel_decode_steps"] == (steps if cpu_kernels else 0)
+        step = functools.partial(decode_logits, cpu_kernels=cpu_kernels)
+        results[cpu_kernels], counters = await generate_with_decode_step(
+            model, tiny_tokenizer, requests, step, max_batch_size=8
+        )
+        steps = counters["decode_steps"]
+        assert counters["lean_decode_steps"] == steps > 0
+        assert counters["kernel_decode_steps"] == (steps if cpu_kernels else 0)
     lp_fast, lp_plain = [], []
     for cs_fast, cs_plain in zip(results[True], results[False], strict=True):
         for a, b in zip(cs_fast, cs_plain, strict=True):

@@ -8,6 +8,8 @@ import torch
 from transformers import LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
 
+from agentrl.engine.transformers_engine import TransformersEngine
+
 
 def sharp_tiny_model(tokenizer, seed: int = 1):
     """The tiny Llama with weights scaled up: random init is near-uniform, and larger weights
@@ -61,3 +63,13 @@ async def generate_together(engine, requests):
         await asyncio.sleep(0.001)
     engine.wake()
     return await asyncio.gather(*tasks)
+
+
+async def generate_with_decode_step(model, tokenizer, requests, decode_step, **engine_options):
+    """`requests` sampled together (`generate_together`) by a fresh engine that decodes with
+    `decode_step`, and that engine's counters. No prefix cache: a request resumed from cached
+    KV may differ in the last float bits."""
+    with TransformersEngine(
+        model, tokenizer, prefix_cache_bytes=0, decode_step=decode_step, **engine_options
+    ) as engine:
+        return await generate_together(engine, requests), engine.counters
