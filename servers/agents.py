@@ -191,7 +191,8 @@ class _Episodes:
         await self.http.delete(f"/sessions/{sid}")
         trajs = [Trajectory.from_dict(t) for t in body["trajectories"]] or [Trajectory(
             token_ids=[], loss_mask=[], logprobs=[], turns=[], group=group, uid=f"{sid}-0",
-            info={**info, "session_id": sid, "segment": 0, "drift": False})]
+            info={**info, "session_id": sid, "episode": sid, "segment": 0,
+                  "segment_cause": "start", "drift": False})]
         status = {k: v for k, v in ended.items() if k in ("status", "cause")}
         status["tokens"] = sum(t.num_policy_tokens for t in trajs)
         for t in trajs:
@@ -239,8 +240,9 @@ async def run_agents(
     `timeout_s` keeps its recorded turns marked `discard`, with the reason in `info["error"]`
     (an empty placeholder trajectory when it recorded none); so does an episode a reward service
     cannot score (`RewardServiceError`). A group whose episodes are all discarded is logged.
-    Trajectories come back in (task, sample) order; a session with drift yields several (one
-    per segment).
+    Trajectories come back in (task, sample) order; a session in segments (a chat template
+    that rewrites history, or a client that changed text) yields one per segment, all of one
+    episode (`agentrl.segments`).
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")

@@ -82,6 +82,9 @@ class ChatCall:
             self.tool_names = [req.tool_choice.function.name]
         self.tools = req.tools if use_tools else None
         self.context: str | None = None
+        self.rewritten = False
+        """The request carried back a reply of this session unchanged, but the chat template
+        rewrites the conversation before it: rendered whole, the call starts a new segment."""
         self.grammar_param: str | None = None
         """Where the grammar came from (`response_format` or `tools`), for its 400s."""
 
@@ -170,7 +173,10 @@ class ChatCall:
     def _continue_sampled(self, dumped: list[dict], tools: list[dict]) -> Rendered | None:
         """The earlier call and choice whose reply is this request's last assistant message,
         asked exactly the messages before it: its prompt, its sampled ids, then the rest.
-        `dumped`, `tools`: the request's messages and tools as `context_key` takes them."""
+        None (render it whole) where there is none, or where the chat template rewrites the
+        conversation once the rest follows (`rewritten`: the model is shown what the template
+        renders, and the call starts a new segment). `dumped`, `tools`: the request's messages
+        and tools as `context_key` takes them."""
         assert self.session is not None
         messages = self.req.messages
         last = max((k for k, m in enumerate(messages) if m.role == "assistant"), default=None)
@@ -181,6 +187,9 @@ class ChatCall:
         if found is None:
             return None
         call, choice = found
+        if self.state.renderer.rewrites(messages, last + 1, self.tools):
+            self.rewritten = True
+            return None
         return self.state.renderer.render_after(
             call.prompt_ids, call.images, call.choices[choice].token_ids, messages[last + 1:],
             self.tools)
@@ -218,6 +227,7 @@ class ChatCall:
             context_key=self.context,
             reply_keys=[reply_key(t.content, [(c.name, c.arguments) for c in t.calls])
                         for t in texts],
+            rewritten=self.rewritten,
         )
 
     def usage(self, completions: list[Completion]) -> dict:

@@ -258,6 +258,7 @@ def _encode(kind: str, payload: Any) -> Any:
         "created": call.created,
         "context_key": call.context_key,
         "reply_keys": call.reply_keys,
+        "rewritten": call.rewritten,
     }
 
 
@@ -274,4 +275,5 @@ def _decode_call(d: dict) -> CallRecord:
     return CallRecord(call_id=d["call_id"], prompt_ids=d["prompt_ids"], choices=choices,
                       images=[Image.from_dict(im) for im in d["images"]], aborted=d["aborted"],
                       retry_count=d["retry_count"], created=d["created"],
-                      context_key=d.get("context_key"), reply_keys=d.get("reply_keys", []))
+                      context_key=d.get("context_key"), reply_keys=d.get("reply_keys", []),
+                      rewritten=bool(d.get("rewritten", False)))

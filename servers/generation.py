@@ -416,6 +416,7 @@ def record_call(
     retries: int,
     context_key: str | None = None,
     reply_keys: Sequence[str] = (),
+    rewritten: bool = False,
 ) -> None:
     if session is None:
         return
@@ -429,5 +430,6 @@ def record_call(
             retry_count=retries,
             context_key=context_key,
             reply_keys=list(reply_keys),
+            rewritten=rewritten,
         )
     )

@@ -74,6 +74,9 @@ class ChatRenderer:
         self.supports_parts = self._probe(
             [{"role": "user", "content": [{"type": "text", "text": _PROBE}]}]
         )
+        # Qwen3-style templates show an earlier turn without its reasoning: a reply sent back
+        # is then not continued from its sampled tokens when the template rewrites it.
+        self.rewrites_history = self._drops_reasoning()
 
     @functools.cached_property
     def max_token_bytes(self) -> int:
@@ -93,6 +96,19 @@ class ChatRenderer:
             return False
         return _PROBE in str(text)
 
+    def _drops_reasoning(self) -> bool:
+        """Whether the template renders a conversation's earlier reasoning away (and renders
+        it at all: a template that fails here rewrites nothing this could tell)."""
+        try:
+            text = self.tokenizer.apply_chat_template([
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": f"<think>\n{_PROBE}\n</think>\n\nok"},
+                {"role": "user", "content": "and?"},
+            ], add_generation_prompt=True, tokenize=False)
+        except Exception:  # noqa: BLE001 - a template that cannot render this rewrites nothing
+            return False
+        return _PROBE not in str(text)
+
     # -- chat -------------------------------------------------------------------------------
 
     def render_chat(
@@ -104,6 +120,13 @@ class ChatRenderer:
         images: Sequence[np.ndarray] = (),
     ) -> Rendered:
         """`images`: the pixels of the messages' image_url parts, in order."""
+        text, escaper = self._text(messages, tools, add_generation_prompt, images)
+        return self._encode(text, list(images), escaper)
+
+    def _text(self, messages: Sequence[ChatMessage], tools: Sequence[ToolDef] | None,
+              add_generation_prompt: bool, images: Sequence[np.ndarray] = ()
+              ) -> tuple[str, Escaper]:
+        """The template's text of a request (client strings marked) and its escaper."""
         it = iter(images)
         escaper = self._plain.escaper()
         msgs = [self._message(m, it, escaper) for m in messages]
@@ -122,7 +145,23 @@ class ChatRenderer:
                 f"the model's chat template cannot render these messages: {e}",
                 param="messages",
             ) from e
-        return self._encode(str(text), list(images), escaper)
+        return str(text), escaper
+
+    def rewrites(self, messages: Sequence[ChatMessage], upto: int,
+                 tools: Sequence[ToolDef] | None) -> bool:
+        """Whether the template renders `messages[:upto]` (a conversation ending with a reply
+        this proxy gave) differently once the rest follows: it rewrote history, as Qwen3's
+        drops the reasoning of turns before the last question. Then the model is shown the
+        whole rendering, a new segment. Two renderings (no tokenization), and only for a
+        template the start-up probe saw rewrite (`rewrites_history`)."""
+        if not self.rewrites_history:
+            return False
+        try:
+            before, marks = self._text(messages[:upto], tools, False)
+            after, later = self._text(messages, tools, True)
+        except APIError:  # cannot tell (a template that wants a user turn last): continue
+            return False
+        return not later.restore(after).startswith(marks.restore(before))
 
     def render_after(
         self,

@@ -4,7 +4,14 @@ A session is an append-only log of calls. Trajectories are rebuilt from the log 
 
     a call whose prompt ids start with the running ids of an open branch (that branch's
     prompt + sampled ids so far) extends it: the new suffix is an observation, the sampled
-    tokens an action. Otherwise the call starts a new segment and counts as a drift event.
+    tokens an action. Otherwise the call starts a new segment. Its cause (`agentrl.segments`)
+    is "template" where the call carried back a reply unchanged but the chat template rewrote
+    the conversation before it (`CallRecord.rewritten`: Qwen3 drops earlier reasoning), and
+    "drift" otherwise (the client changed text): only those count as drift events.
+
+The segments of a session are one episode (`info["episode"]` = the session id): the trainer
+gives each the episode's outcome advantage. A session that asked for n > 1 choices is not:
+its forks are alternatives, each trajectory an episode of its own.
 
 A call with n > 1 choices forks its branch into n (choice i gets action i); a later call
 extends whichever fork its prompt continues, longest match first. A retried request
@@ -125,6 +132,9 @@ class CallRecord:
     reply_keys: list[str] = field(default_factory=list)
     """`reply_key` of each choice as the client got it, so that a later request carrying that
     reply back continues from the very tokens sampled (not a re-rendering of them)."""
+    rewritten: bool = False
+    """The request carried back a reply unchanged, but the chat template rewrote the
+    conversation before it: the prompt is the template's whole rendering, a new segment."""
 
 
 @dataclass
@@ -138,11 +148,16 @@ class RewardRecord:
 class _Branch:
     builder: TrajectoryBuilder
     calls: list[tuple[str, int]]  # (call_id, choice) per turn
-    drift: bool
-    """True when this branch started because a call did not extend the previous context."""
+    cause: str
+    """Why the branch started (`agentrl.segments.SEGMENT_CAUSES`); a fork, its base's."""
+
+    @property
+    def drift(self) -> bool:
+        """Whether a client's changed text started this branch."""
+        return self.cause == "drift"
 
     def fork(self) -> _Branch:
-        return _Branch(copy.deepcopy(self.builder), list(self.calls), self.drift)
+        return _Branch(copy.deepcopy(self.builder), list(self.calls), self.cause)
 
 
 class Session:
@@ -259,6 +274,9 @@ class Session:
             key = (r.call_id or last or "", r.choice)
             rewards[key] = rewards.get(key, 0.0) + r.value
         out = []
+        # One episode, unless n > 1 forked it into alternatives (module docstring).
+        forked = any(len(c.choices) > 1 for c in self.completed_calls())
+        episode = {} if forked else {"episode": self.id}
         for seg, b in enumerate(branches):
             for turn, (call_id, choice) in zip(b.builder.turns, b.calls, strict=True):
                 turn.reward = rewards.get((call_id, None), 0.0) + rewards.get(
@@ -270,7 +288,9 @@ class Session:
                 info={
                     **self.info,
                     "session_id": self.id,
+                    **episode,
                     "segment": seg,
+                    "segment_cause": b.cause,
                     "drift": b.drift,
                     "calls": [c for c, _ in b.calls],
                     "choices": [i for _, i in b.calls],
@@ -294,7 +314,8 @@ class Session:
         for call in self.completed_calls():
             best = _longest_prefix_leaf(branches, leaves, call.prompt_ids)
             if best is None:
-                base = _Branch(TrajectoryBuilder(group=self.group), [], drift=bool(branches))
+                cause = ("template" if call.rewritten else "drift") if branches else "start"
+                base = _Branch(TrajectoryBuilder(group=self.group), [], cause)
                 base_len = 0
             else:
                 base = branches[best]
@@ -321,6 +342,7 @@ class Session:
 
     def summary(self) -> dict:
         done = self.completed_calls()
+        branches = self._merge()
         return {
             "id": self.id,
             "object": "session",
@@ -331,8 +353,9 @@ class Session:
             "aborted_calls": len(self.calls) - len(done),
             "in_flight": self.in_flight,
             "replaced_calls": self.replaced_calls,
-            "drift_events": self.drift_events,
-            "num_trajectories": len(self._merge()),
+            "drift_events": sum(b.drift for b in branches),
+            "template_segments": sum(b.cause == "template" for b in branches),
+            "num_trajectories": len(branches),
             "reward": sum(r.value for r in self.rewards),
             "store_errors": list(self.store_errors),
         }

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from agentrl.segments import episode_key
 from agentrl.types import Trajectory, dense_group_ids
 
 if TYPE_CHECKING:
@@ -51,6 +52,9 @@ class RolloutBatch:
     """[B, T] `input_ids` with image tokens replaced by their image's keys."""
     positions: Tensor | None = None
     """[3, B, T] mRoPE positions (models with 3-D positions; None otherwise)."""
+    episodes: list[str] | None = None
+    """Per row, its episode (`agentrl.segments.episode_key`): rows of one episode are its
+    segments, in order, and share its outcome advantage (None: every row is an episode)."""
 
     @property
     def size(self) -> int:
@@ -65,6 +69,7 @@ class RolloutBatch:
             spans=self.spans,
             key_ids=self.key_ids.to(device) if self.key_ids is not None else None,
             positions=self.positions.to(device) if self.positions is not None else None,
+            episodes=self.episodes,
         )
 
     def micro_batches(
@@ -116,7 +121,8 @@ def collate(
                 rewards[b, turn.end - 2] += turn.reward
     lengths = torch.as_tensor([len(t.token_ids) for t in trajectories])
     groups = torch.as_tensor(list(group_ids), dtype=torch.long)
-    return RolloutBatch(input_ids, lengths, mask, rollout_logp, rewards, groups)
+    return RolloutBatch(input_ids, lengths, mask, rollout_logp, rewards, groups,
+                        episodes=[episode_key(t) for t in trajectories])
 
 
 def add_images(

@@ -9,6 +9,11 @@ the batch is in the driver already, on its way from the rollout worker (or the f
 policy ranks, and the driver runs the selection and shaping there; the ranks compute the
 advantages and losses.
 
+An episode in several segments (a chat template that rewrote history, `agentrl.segments`)
+is one sample everywhere a sample is counted: in dynamic filtering and refills, reward shaping
+(its last segment), the rollout metrics and the advantages (each segment gets the episode's);
+its segments are separate sequences only in the batch the losses see.
+
 Tensors: `_B` sequences, `_T` target tokens (the `RolloutBatch` layout, trainers/batch.py).
 """
 
@@ -23,6 +28,7 @@ from torch import Tensor
 
 from agentrl import algorithms as A
 from agentrl.backends.distributed import gather_objects, pad_cat
+from agentrl.segments import by_episode, episode_reward, flatten, template_segments
 from agentrl.types import Trajectory, dense_group_ids
 from trainers.batch import RolloutBatch
 from trainers.config import AlgoConfig, TrainConfig
@@ -35,16 +41,17 @@ MAX_REFILLS = 4
 # ---------------------------------------------------------------------- which episodes train
 def informative(trajs: Sequence[Trajectory], criterion: str) -> list[Trajectory]:
     """DAPO dynamic filtering: drop groups whose rewards carry no signal (and discarded
-    episodes, whose rewards mean nothing). Groups as `dense_group_ids` numbers them."""
-    kept = [t for t in trajs if not t.discard]
+    episodes, whose rewards mean nothing). Groups as `dense_group_ids` numbers them; an
+    episode's score is the sum over its segments."""
+    kept = [segs for segs in by_episode(trajs) if not any(t.discard for t in segs)]
     if not kept:
         return []
     keep_B = A.dynamic_filter(
-        torch.tensor([t.total_reward for t in kept]),
-        torch.tensor(dense_group_ids(kept)),
+        torch.tensor([episode_reward(segs) for segs in kept]),
+        torch.tensor(dense_group_ids([segs[0] for segs in kept])),
         criterion=criterion,
     )
-    return [t for t, k in zip(kept, keep_B.tolist(), strict=True) if k]
+    return flatten([segs for segs, k in zip(kept, keep_B.tolist(), strict=True) if k])
 
 
 def refill(
@@ -53,15 +60,17 @@ def refill(
 ) -> list[Trajectory]:
     """Sample more (`more()`, one round of prompts) until `want` informative episodes are in
     hand, or give up after `max_rounds` and train on the accepted groups: unlike OpenRLHF,
-    accepted groups are never dropped. Whole groups of `group_size`, at most `want`; empty when
-    every group was rejected."""
+    accepted groups are never dropped. Whole groups of `group_size` episodes (with all their
+    segments), at most `want` episodes; empty when every group was rejected."""
+    episodes = by_episode(kept)
     for _ in range(max_rounds):
-        if len(kept) >= want:
+        if len(episodes) >= want:
             break
-        kept = kept + informative(more(), criterion)
-    if not kept:
+        episodes += by_episode(informative(more(), criterion))
+    if not episodes:
         return []
-    return kept[: max(group_size, (min(len(kept), want) // group_size) * group_size)]
+    n = max(group_size, (min(len(episodes), want) // group_size) * group_size)
+    return flatten(episodes[:n])
 
 
 def discard_placeholders(trajs: Sequence[Trajectory], image_token: int | None) -> None:
@@ -88,7 +97,7 @@ class Sampled:
 
     num_episodes: int
     num_kept: int
-    """Episodes not discarded: what the step trains on."""
+    """Episodes not discarded: what the step trains on (an episode in segments counts once)."""
     discard_error: str
     """', most often with: <error> (k episodes)' of the discarded ones, or ''."""
     min_version: int | None
@@ -103,6 +112,7 @@ class Sampled:
 def summarize(trajs: list[Trajectory], *, rounds: int = 1, keep: bool = True) -> Sampled:
     """The `Sampled` of a batch, with the trajectories themselves if `keep`."""
     kept = [t for t in trajs if not t.discard]
+    episodes, kept_episodes = by_episode(trajs), by_episode(kept)
     versions = [v for t in kept for v in t.policy_versions]
     errors = collections.Counter(str(t.info["error"]) for t in trajs
                                  if t.discard and "error" in t.info)
@@ -110,7 +120,7 @@ def summarize(trajs: list[Trajectory], *, rounds: int = 1, keep: bool = True) ->
     if errors:
         text, k = errors.most_common(1)[0]
         error = f", most often with: {text[:500]} ({k} episode{'s' if k > 1 else ''})"
-    return Sampled(num_episodes=len(trajs), num_kept=len(kept), discard_error=error,
+    return Sampled(num_episodes=len(episodes), num_kept=len(kept_episodes), discard_error=error,
                    min_version=min(versions) if versions else None,
                    policy_tokens=sum(t.num_policy_tokens for t in kept), rounds=rounds,
                    trajectories=trajs if keep else None)
@@ -121,10 +131,16 @@ def shape_rewards(
     trajs: list[Trajectory], algo: AlgoConfig, *, max_new_tokens: int
 ) -> list[Trajectory]:
     """DAPO overlong and ProRL truncation penalties, applied (in place) to the last turn's
-    reward before any baseline; dynamic filtering is not applied here (see
-    AlgoConfig.dynamic_filter)."""
+    reward (an episode's last segment's) before any baseline; dynamic filtering is not applied
+    here (see AlgoConfig.dynamic_filter)."""
     if not algo.overlong_buffer and algo.truncation_penalty is None:
         return trajs
+    last = [segs[-1] for segs in by_episode(trajs)]
+    _shape_last_turns(last, algo, max_new_tokens=max_new_tokens)
+    return trajs
+
+
+def _shape_last_turns(trajs: list[Trajectory], algo: AlgoConfig, *, max_new_tokens: int) -> None:
     rewards_B = torch.tensor([t.turns[-1].reward if t.turns else 0.0 for t in trajs])
     if algo.overlong_buffer:
         lengths_B = torch.tensor([t.turns[-1].end - t.turns[-1].start for t in trajs])
@@ -136,22 +152,27 @@ def shape_rewards(
     for t, r in zip(trajs, rewards_B.tolist(), strict=True):
         if t.turns:
             t.turns[-1].reward = float(r)
-    return trajs
 
 
 def rollout_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
-    """Means over the episodes trained on (rewards as shaped), and the step's counts."""
-    n = max(len(trajs), 1)
-    rewards = [t.total_reward for t in trajs]
+    """Means over the episodes trained on (rewards as shaped; an episode in segments is one,
+    its info its last segment's), and the step's counts: drift (text that changed under the
+    policy) apart from the segments a chat template's rewriting started."""
+    episodes = by_episode(trajs)
+    n = max(len(episodes), 1)
+    rewards = [episode_reward(segs) for segs in episodes]
+    last = [segs[-1] for segs in episodes]
     mean = sum(rewards) / n
     return {
         "reward": mean,
         "reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
         "response_tokens": sum(t.num_policy_tokens for t in trajs) / n,
         "turns": sum(len(t.turns) for t in trajs) / n,
-        "truncated": sum(t.truncated for t in trajs) / n,
-        "drift_events": float(sum(int(t.info.get("drift_events", 0)) for t in trajs)),
-        "env_errors": float(sum("error" in t.info for t in trajs)),
+        "truncated": sum(t.truncated for t in last) / n,
+        "segments_per_episode": len(trajs) / n,
+        "template_segments": float(template_segments(trajs)),
+        "drift_events": float(sum(int(t.info.get("drift_events", 0)) for t in last)),
+        "env_errors": float(sum("error" in t.info for t in last)),
     }
 
 
@@ -165,7 +186,8 @@ def capped_calls(trajs: Sequence[Trajectory], cap: int) -> int:
 def agent_metrics(trajs: Sequence[Trajectory], *, max_new_tokens: int) -> dict[str, float]:
     """A step's counts over its agent sessions, discarded ones included ({} for env runs, #32
     item 7): agents started, finished, failed (in all and by cause: agents_failed_<cause>) and
-    timed out; their segments (a session's trajectories) and the segments drift started; the
+    timed out; their segments (a session's trajectories) and the segments drift started (a
+    client that changed text; not those a chat template's rewriting started); the
     tokens sampled per agent; the calls cut at the per-call cap."""
     sessions: dict[str, list[Trajectory]] = {}
     for t in trajs:
@@ -221,7 +243,7 @@ def batch_advantages(
     fields = {"rewards": batch.rewards, "mask": batch.mask, "kl": kl,
               "values": batch.extras.get("values")}
     parts = gather_objects(({k: v for k, v in fields.items() if v is not None},
-                            batch.group_ids.tolist()))
+                            batch.group_ids.tolist(), batch.episodes))
     width = max(p[0]["mask"].shape[1] for p in parts)
     full = {k: pad_cat([p[0][k] for p in parts], width) for k in parts[0][0]}
     adv_BT, ret_BT = A.compute_advantages(
@@ -234,10 +256,24 @@ def batch_advantages(
         lam=algo.lam if algo.estimator == "gae" else 1.0,
         kl_BT=full.get("kl"),
         kl_coef=kl_coef if kl is not None else 0.0,
+        episode_ids_B=_episode_ids([p[2] for p in parts], batch.mask.device),
     )
     start = sum(p[0]["mask"].shape[0] for p in parts[:rank])
     rows, cols = batch.mask.shape
     return adv_BT[start : start + rows, :cols], ret_BT[start : start + rows, :cols]
+
+
+def _episode_ids(keys: list[list[str] | None], device: torch.device) -> Tensor | None:
+    """Each row's episode over all ranks' rows (`RolloutBatch.episodes`), numbered; None where
+    every row is an episode of its own (nothing to lay end to end)."""
+    if any(part is None for part in keys):
+        return None
+    flat = [k for part in keys for k in part or ()]
+    numbers: dict[str, int] = {}
+    ids = [numbers.setdefault(k, len(numbers)) for k in flat]
+    if len(numbers) == len(flat):
+        return None
+    return torch.tensor(ids, device=device)
 
 
 def policy_loss(

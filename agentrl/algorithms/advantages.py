@@ -21,6 +21,12 @@ the deliberate differences noted below):
 4. returns ``G_t = r_t + gamma * G_next`` (advantages = returns), or GAE with the critic;
 5. optional token-weighted whitening over all action tokens of the batch.
 
+Episodes in segments (``episode_ids_B``: rows with one id are the segments of one episode, in
+row order; a chat template that rewrote history split it, ``agentrl.segments``) are estimated
+as one sequence each, their rows laid end to end (``agentrl.algorithms.episode_layout``): a
+group baseline counts the episode once, and every segment's action tokens get the episode's
+outcome advantage (returns and GAE run on across the segments' action tokens).
+
 Discounting walks action tokens only: observation tokens are the environment's transition
 between two policy turns, so they neither discount (gamma, lambda) nor bootstrap (values).
 This differs from OpenRLHF, which decays gamma and lambda over observation tokens too.
@@ -36,6 +42,12 @@ import torch
 from torch import Tensor
 
 from agentrl.algorithms._common import group_index, group_sum, lookup, masked_mean, register
+from agentrl.algorithms.episode_layout import (
+    episode_group_ids,
+    episode_layout,
+    from_episodes,
+    to_episodes,
+)
 
 AdvantageEstimator = Callable[..., tuple[Tensor, Tensor]]
 """Called with keywords ``rewards_BT, mask_BT, group_ids_B, values_BT, gamma, lam,
@@ -262,6 +274,7 @@ def compute_advantages(
     kl_BT: Tensor | None = None,
     kl_coef: float = 0.0,
     reward_clip: float | None = None,
+    episode_ids_B: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Advantages and returns ``([B, T], [B, T])`` for the named estimator (no gradient).
 
@@ -272,6 +285,8 @@ def compute_advantages(
     action token after the baseline. ``reward_clip`` clamps each step reward to
     ``[-reward_clip, reward_clip]`` before the baseline. A non-zero reward off ``mask_BT`` is a
     ``ValueError`` (it would otherwise be silently lost). Both outputs are 0 off ``mask_BT``.
+    ``episode_ids_B``: rows with equal ids are segments of one episode, in row order, and are
+    estimated as one sequence (module docstring); None: every row is an episode.
     """
     fn = lookup(ADVANTAGE_ESTIMATORS, estimator, "advantage estimator")
     _check_shapes(mask_BT, rewards_BT=rewards_BT, values_BT=values_BT, kl_BT=kl_BT)
@@ -291,15 +306,44 @@ def compute_advantages(
             if kl_BT is None:
                 raise ValueError(f"kl_coef={kl_coef} needs kl_BT=[B, T]; pass it or set 0.")
             penalty_BT = torch.where(action_BT, kl_coef * kl_BT.float(), 0.0)
-        advantages_BT, returns_BT = fn(
-            rewards_BT=rewards_BT, mask_BT=mask_BT, group_ids_B=group_ids_B,
-            values_BT=values_BT, gamma=gamma, lam=lam, penalty_BT=penalty_BT,
-        )
+        inputs: dict[str, Tensor | None] = {
+            "rewards_BT": rewards_BT, "mask_BT": mask_BT, "group_ids_B": group_ids_B,
+            "values_BT": values_BT, "penalty_BT": penalty_BT}
+        lay_back: Callable[[Tensor], Tensor] | None = None
+        if episode_ids_B is not None:
+            inputs, lay_back = _by_episode(episode_ids_B, **inputs)
+        advantages_BT, returns_BT = fn(**inputs, gamma=gamma, lam=lam)
+        if lay_back is not None:
+            advantages_BT, returns_BT = lay_back(advantages_BT), lay_back(returns_BT)
         if whiten is None:
             whiten = _WHITEN_BY_DEFAULT.get(estimator, False)
-        if whiten:
+        if whiten:  # over the same action tokens in either layout
             advantages_BT = masked_whiten(advantages_BT, mask_BT, scale_std=whiten_std)
         zeros_BT = torch.zeros_like(advantages_BT)
         return torch.where(action_BT, advantages_BT, zeros_BT), torch.where(
             action_BT, returns_BT, zeros_BT
         )
+
+
+def _by_episode(
+    episode_ids_B: Tensor, *, rewards_BT: Tensor | None, mask_BT: Tensor | None,
+    group_ids_B: Tensor | None, values_BT: Tensor | None, penalty_BT: Tensor | None,
+) -> tuple[dict[str, Tensor | None], Callable[[Tensor], Tensor]]:
+    """An estimator's inputs with each episode's rows laid end to end (its group, the group of
+    its rows), and the function that lays an output back as rows."""
+    assert rewards_BT is not None and mask_BT is not None and penalty_BT is not None
+    if episode_ids_B.shape != mask_BT.shape[:1]:
+        raise ValueError(f"episode_ids_B must have shape [{mask_BT.shape[0]}]; got "
+                         f"{tuple(episode_ids_B.shape)}.")
+    index_B, position_B, E, S = episode_layout(episode_ids_B.to(mask_BT.device))
+
+    def lay(x_BT: Tensor) -> Tensor:
+        return to_episodes(x_BT, index_B, position_B, E, S)
+
+    laid: dict[str, Tensor | None] = {
+        "rewards_BT": lay(rewards_BT), "mask_BT": lay(mask_BT), "penalty_BT": lay(penalty_BT),
+        "group_ids_B": None if group_ids_B is None else episode_group_ids(
+            group_ids_B.to(mask_BT.device), index_B, E),
+        "values_BT": None if values_BT is None else lay(values_BT.float()),
+    }
+    return laid, lambda x_ET: from_episodes(x_ET, index_B, position_B, S)

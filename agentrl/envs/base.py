@@ -3,6 +3,11 @@
 Observation: {"tokens": int64[N] new context tokens, "images": tuple of uint8 HxWx3 arrays}.
 Action: int64[M], exactly the tokens the policy sampled this turn. Rewards are per step;
 `terminated` means the task ended, `truncated` that a token or turn budget ran out.
+
+Observations extend the context, except one that comes with `info["new_segment"] = True`: it
+is a whole new context (a chat template rewrote the earlier conversation, see
+`agentrl.segments`), and the episode goes on in a new segment, recorded as a trajectory of its
+own with the episode's outcome.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 
@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from agentrl.models.vision import VisionProcessor
 
 StepResult = tuple[list[Message], float, bool, bool, dict[str, Any]]
+
+OnRewrite = Literal["segment", "report"]
+ON_REWRITE: tuple[OnRewrite, ...] = ("segment", "report")
 
 DEFAULT_IMAGE_TOKENIZER = "embedded-vlm"
 """The tokenizer an env that shows images gets when given none: the embedded vision-language
@@ -93,6 +96,16 @@ class ChatTokenEnv(TokenEnv):
     running sequence is compared with a full re-render (`check_drift`): differences are
     reported in `info["drift"]` and counted in `info["drift_events"]`, never raised.
 
+    A template that rewrites history (Qwen3's drops earlier turns' `<think>...</think>`) shows
+    the model a context that does not extend the running one. With `on_rewrite="segment"`
+    (the default) the next observation is then that context, whole, with
+    `info["new_segment"] = True`: the episode goes on in a new segment (`agentrl.segments`)
+    that the rollout loop records as a trajectory of its own, so every prompt is what the
+    template showed and every action what was sampled; `info["segments"]` counts them, and
+    they are not drift. `on_rewrite="report"` keeps appending (the model then sees its earlier
+    reasoning, which the template would not show it) and reports each such step as drift.
+    Either needs `check_drift` (the re-render); without it nothing is compared.
+
     Turn and token budgets are not the bridge's: the rollout loop enforces them for every env
     (`agentrl.rollout.collect(max_turns=, max_episode_tokens=)`). The bridge ends an episode
     only when the chat env does, or when the template cannot render it (`template_error`).
@@ -110,11 +123,17 @@ class ChatTokenEnv(TokenEnv):
         *,
         check_drift: bool = True,
         vision: VisionProcessor | None = None,
+        on_rewrite: OnRewrite = "segment",
     ) -> None:
         from agentrl.models import resolve_tokenizer
 
         if not isinstance(chat_env, ChatEnv):
             raise TypeError(f"ChatTokenEnv wraps a ChatEnv, got {type(chat_env).__name__}")
+        if on_rewrite not in ON_REWRITE:
+            raise ValueError(f"on_rewrite={on_rewrite!r}: expected one of {ON_REWRITE} (a "
+                             f"template that rewrites history starts a new segment, or is "
+                             f"reported as drift)")
+        self.on_rewrite = on_rewrite
         self.chat_env = chat_env
         images = shows_images(chat_env)
         if tokenizer is None and images and vision is None:
@@ -136,6 +155,7 @@ class ChatTokenEnv(TokenEnv):
         self._tokens: list[int] = []
         self._turn = 0
         self._drift_events = 0
+        self._segments = 1
         self._done = True
 
     @property
@@ -159,8 +179,8 @@ class ChatTokenEnv(TokenEnv):
             raise ValueError(f"{type(self.chat_env).__name__}.reset returned no messages")
         self._messages = [dict(m) for m in messages]
         self._tokens = self.bridge.prompt_ids(self._messages)
-        self._turn, self._drift_events, self._done = 0, 0, False
-        info = {**info, "turn": 0, "drift_events": 0}
+        self._turn, self._drift_events, self._segments, self._done = 0, 0, 1, False
+        info = {**info, "turn": 0, "drift_events": 0, "segments": 1}
         return make_obs(self._tokens, message_images(self._messages)), info
 
     def step(self, action: Any) -> tuple[Obs, float, bool, bool, dict[str, Any]]:
@@ -184,8 +204,10 @@ class ChatTokenEnv(TokenEnv):
             info["final_messages"] = list(new)
         self._done = terminated or truncated
         if self.check:
-            self._record_drift(info)
-        info.update(turn=self._turn, drift_events=self._drift_events)
+            segment = self._compare(info)
+            if segment is not None:
+                obs_ids, images = segment, message_images(self._messages)
+        info.update(turn=self._turn, drift_events=self._drift_events, segments=self._segments)
         return make_obs(obs_ids, images), reward, terminated, truncated, info
 
     def _chat_step(self, text: str) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
@@ -215,13 +237,25 @@ class ChatTokenEnv(TokenEnv):
             return True, [], ()
         return False, obs_ids, message_images(new)
 
-    def _record_drift(self, info: dict[str, Any]) -> None:
-        report = self.bridge.check_drift(
+    def _compare(self, info: dict[str, Any]) -> list[int] | None:
+        """Compare the running sequence with a full re-render. Where the template rewrote
+        history and the episode goes on in segments, start one: its prompt's ids. Otherwise
+        report a difference as drift; None."""
+        report, ids = self.bridge.rerender(
             self._messages, self._tokens, turn=self._turn, open_turn=not self._done
         )
-        if report is not None:
-            self._drift_events += 1
-            info["drift"] = report.as_dict()
+        if report is None:
+            return None
+        if report.kind == "template" and self.on_rewrite == "segment":
+            if self._done:
+                return None  # nothing follows: no context to show, no segment to start
+            self._tokens = ids
+            self._segments += 1
+            info["new_segment"] = True
+            return ids
+        self._drift_events += 1
+        info["drift"] = report.as_dict()
+        return None
 
     def close(self) -> None:
         self.chat_env.close()

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "agentrl.environments"
 _ID_RE = re.compile(r"^[A-Za-z0-9_.\-]+/[A-Z][A-Za-z0-9_]*-v\d+$")
-_BRIDGE_KWARGS = ("check_drift",)
+_BRIDGE_KWARGS = ("check_drift", "on_rewrite")
 _RUN_BUDGETS = ("max_turns", "max_episode_tokens")
 
 

@@ -5,7 +5,9 @@ The bridge renders only what is new: the end of the assistant turn the policy di
 those pieces by rendering a fixed base conversation with and without the new messages, so
 templates that inject default system prompts or reformat history do not leak into the
 increment. `check_drift` compares the running token sequence with a full re-render and says
-how they differ; it never raises.
+how they differ; it never raises. Where the template rewrote history (a "template"
+difference: it drops earlier reasoning), `rerender` gives what the template shows the model
+next: the prompt of a new segment (`agentrl.segments`).
 
 Images ride in list-of-parts content (`{"type": "image", "image": uint8 HxWx3}`). The template
 renders one placeholder per image; the model's `VisionProcessor` expands each to the image's
@@ -78,6 +80,12 @@ class Escaper:
     def _mark(self, match: re.Match[str]) -> str:
         self.table.append(match.group(0))
         return f"\ue000{len(self.table) - 1}\ue001"
+
+    def restore(self, rendered: str) -> str:
+        """`rendered` with this escaper's markers turned back into the text they stand for."""
+        if not self.table:
+            return rendered
+        return _MARK.sub(lambda m: self.table[int(m.group(1))], rendered)
 
     def text(self, value: str) -> str:
         """`value` with every special-token spelling (and stray marker start) marked."""
@@ -328,6 +336,14 @@ class ChatTemplateBridge:
         self, messages: Sequence[Message], running_ids: Sequence[int], *, turn: int, open_turn: bool
     ) -> DriftReport | None:
         """Compare the running ids with a full re-render of `messages`."""
+        return self.rerender(messages, running_ids, turn=turn, open_turn=open_turn)[0]
+
+    def rerender(
+        self, messages: Sequence[Message], running_ids: Sequence[int], *, turn: int, open_turn: bool
+    ) -> tuple[DriftReport | None, list[int]]:
+        """A full re-render of `messages` (with the generation prompt where the turn is open)
+        and how the running ids differ from it (None: they do not). A "template" difference is
+        where a new segment starts: the ids are what the template shows the model next."""
         escaper = self._plain.escaper()
         text = render_text(
             self.tokenizer, escaper.tree(self._with_tools(messages)),
@@ -340,12 +356,12 @@ class ChatTemplateBridge:
                 text += self.tokenizer.decode([running_ids[-1]], skip_special_tokens=False)
         ids = self._expand(self._plain.encode(text, escaper), message_images(messages))
         if ids == list(running_ids):
-            return None
+            return None, ids
         running_text = self.tokenizer.decode(list(running_ids), skip_special_tokens=False)
         text = self.tokenizer.decode(ids, skip_special_tokens=False)  # images expanded too
         if running_text == text:
-            return DriftReport("tokenization", _first_mismatch(ids, running_ids), turn)
-        return DriftReport("template", _first_mismatch_text(text, running_text), turn)
+            return DriftReport("tokenization", _first_mismatch(ids, running_ids), turn), ids
+        return DriftReport("template", _first_mismatch_text(text, running_text), turn), ids
 
 
 def message_images(messages: Sequence[Message]) -> tuple[np.ndarray, ...]:

@@ -4,6 +4,7 @@ Names: the embedded default (`smollm2-135m-instruct`, aliases `embedded`, `defau
 `HuggingFaceTB/SmolLM2-135M-Instruct`), the named models of installed providers
 (`agentrl.models.named`: `embedded-vlm`, SmolLM2 with a small vision tower, built and warmed up
 on first use by environments/screenshot/embedded_vlm.py), `tiny` (random 2-layer test model),
+`tiny-think` (the same with a chat template that drops earlier reasoning, as Qwen3's does),
 `tiny-qwen2-vl`, `tiny-qwen2.5-vl`, `tiny-llava` and `tiny-idefics3` (random tiny
 vision-language models), or a local directory holding a Hugging Face model (causal LM or
 vision-language model). agentrl never downloads weights.
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from agentrl.models.embedded import EMBEDDED_ALIASES, EMBEDDED_NAME, INSTALL_HINT
 from agentrl.models.named import canonical_model_name, named_model_dir, named_models
-from agentrl.models.tiny import TINY_NAME, TINY_VLMS
+from agentrl.models.tiny import TINY_NAME, TINY_THINK, TINY_VLMS
 
 if TYPE_CHECKING:
     import torch
@@ -28,7 +29,7 @@ DEFAULT_MODEL = EMBEDDED_NAME
 
 def available_models() -> list[str]:
     """Model names that load without a path."""
-    return [EMBEDDED_NAME, *named_models(), TINY_NAME, *TINY_VLMS]
+    return [EMBEDDED_NAME, *named_models(), TINY_NAME, TINY_THINK, *TINY_VLMS]
 
 
 def _resolve(name: str) -> tuple[str, Path | None]:
@@ -40,7 +41,7 @@ def _resolve(name: str) -> tuple[str, Path | None]:
     named = named_model_dir(name)
     if named is not None:
         return "path", named
-    if name == TINY_NAME:
+    if name in (TINY_NAME, TINY_THINK):
         return "tiny", None
     if name in TINY_VLMS:
         return "tiny-vlm", None
@@ -65,9 +66,9 @@ def load_tokenizer(name: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
     """Load a tokenizer by model name or local path (see module docstring)."""
     kind, path = _resolve(name)
     if kind == "tiny":
-        from agentrl.models.tiny import tiny_tokenizer
+        from agentrl.models.tiny import tiny_think_tokenizer, tiny_tokenizer
 
-        return tiny_tokenizer()
+        return tiny_think_tokenizer() if name == TINY_THINK else tiny_tokenizer()
     if kind == "tiny-vlm":
         from agentrl.models.tiny import tiny_vlm_tokenizer
 

@@ -71,9 +71,9 @@ def built_in_memory(name: str) -> bool:
     tiny test models (`tiny`, `tiny-qwen2-vl`, ...). A local directory, the embedded model and
     every registered name have one, which a library that loads the model itself (vLLM) reads.
     Builds nothing."""
-    from agentrl.models.tiny import TINY_NAME, TINY_VLMS
+    from agentrl.models.tiny import TINY_NAME, TINY_THINK, TINY_VLMS
 
-    return name in (TINY_NAME, *TINY_VLMS) and not _registered(name)
+    return name in (TINY_NAME, TINY_THINK, *TINY_VLMS) and not _registered(name)
 
 
 def sees_images(name: str) -> bool | None:
@@ -81,14 +81,14 @@ def sees_images(name: str) -> bool | None:
     config.json without loading it; None where that cannot be told without building it (a
     registered name) or the name is not a model."""
     from agentrl.models.embedded import EMBEDDED_NAME
-    from agentrl.models.tiny import TINY_NAME, TINY_VLMS
+    from agentrl.models.tiny import TINY_NAME, TINY_THINK, TINY_VLMS
 
     if canonical_model_name(name) == EMBEDDED_NAME:
         return False
     if _registered(name):
         return None
-    if name in (TINY_NAME, *TINY_VLMS):
-        return name != TINY_NAME
+    if name in (TINY_NAME, TINY_THINK, *TINY_VLMS):
+        return name in TINY_VLMS
     config = Path(name).expanduser() / "config.json"
     try:
         return "vision_config" in json.loads(config.read_text())

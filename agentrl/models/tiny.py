@@ -39,6 +39,24 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+TINY_THINK = "tiny-think"
+"""The tiny model with a chat template that rewrites history as Qwen3's does
+(`REASONING_TEMPLATE`): the same weights and vocabulary as `tiny`."""
+
+# Qwen3's rule, on the ChatML template above: an assistant turn before the last user message
+# is shown without its reasoning (what precedes `</think>`, and the newlines after it); later
+# ones (a tool loop after the last question) verbatim.
+_LAST_USER = ("{% set ns = namespace(last_user=-1) %}{% for m in messages %}"
+              "{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}"
+              "{% endfor %}")
+REASONING_TEMPLATE = _LAST_USER + CHATML_TEMPLATE.replace(
+    "{% if message.content is string %}{{ message.content }}",
+    "{% if message.content is string %}"
+    "{% if message.role == 'assistant' and loop.index0 < ns.last_user %}"
+    "{{ message.content.split('</think>')[-1].lstrip('\\n') }}"
+    "{% else %}{{ message.content }}{% endif %}",
+)
+
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "What is 2 + 3? The answer is 5. What is 7 * 6? The answer is 42.",
@@ -84,6 +102,15 @@ def tiny_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerBase:
     )
     tok.chat_template = CHATML_TEMPLATE
     tok.name_or_path = TINY_NAME
+    return tok
+
+
+def tiny_think_tokenizer() -> PreTrainedTokenizerBase:
+    """The tiny tokenizer with `REASONING_TEMPLATE`: earlier assistant turns lose their
+    `<think>...</think>` when a later user message follows, as with Qwen3."""
+    tok = tiny_tokenizer()
+    tok.chat_template = REASONING_TEMPLATE
+    tok.name_or_path = TINY_THINK
     return tok
 
 

@@ -11,7 +11,11 @@ every env, bridged chat envs included: an episode that runs out ends truncated w
 `info["truncated_by"]` = "max_turns" | "max_episode_tokens".
 
 A trajectory holds what the policy conditioned on and sampled: an observation returned with
-`terminated`/`truncated` (which no action follows) is not appended.
+`terminated`/`truncated` (which no action follows) is not appended. An observation that comes
+with `info["new_segment"]` (a chat template rewrote the earlier conversation) is a whole new
+context: the episode goes on in a new segment, a trajectory of its own (`agentrl.segments`:
+the segments share `info["episode"]` and the episode's final info, and follow each other in
+the results); the token budget counts the current segment's context, what the model sees.
 
 An episode whose env raises in `reset` or `step` ends there: the trajectory keeps the turns so
 far, is marked truncated and carries `info["error"]`; the other episodes are unaffected. An env
@@ -35,6 +39,7 @@ import dataclasses
 import logging
 import sys
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -79,7 +84,8 @@ async def collect(
     group_prefix: str = "",
     env_timeout_s: float | None = None,
 ) -> list[Trajectory]:
-    """Run `num_prompts * n_samples_per_prompt` episodes; results ordered by (prompt, sample).
+    """Run `num_prompts * n_samples_per_prompt` episodes; results ordered by (prompt, sample)
+    (and segment, for an episode in several: module docstring).
 
     Args:
         engine: the policy.
@@ -111,18 +117,19 @@ async def collect(
     sem = asyncio.Semaphore(max_concurrency)
     start, tokens = time.perf_counter(), 0
 
-    async def run(ep: _Episode) -> Trajectory:
+    async def run(ep: _Episode) -> list[Trajectory]:
         nonlocal tokens
         async with sem:
-            traj = await _episode(engine, env_fn, ep, sampling, budget)
+            segments = await _episode(engine, env_fn, ep, sampling, budget)
         if bar is not None:
-            tokens += traj.num_policy_tokens
+            tokens += sum(t.num_policy_tokens for t in segments)
             bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - start, 1e-9):.0f}")
             bar.update(1)
-        return traj
+        return segments
 
     try:
-        return list(await asyncio.gather(*(run(ep) for ep in episodes)))
+        done = await asyncio.gather(*(run(ep) for ep in episodes))
+        return [t for segments in done for t in segments]
     finally:
         if bar is not None:
             bar.close()
@@ -184,22 +191,22 @@ async def _episode(
     ep: _Episode,
     sampling: SamplingParams,
     budget: EpisodeBudget,
-) -> Trajectory:
+) -> list[Trajectory]:
     thread = EnvThread(f"agentrl-env-{ep.group}-{ep.sample_index}")
     timeout = budget.env_timeout_s
-    builder = TrajectoryBuilder(group=ep.group)
+    builders = [TrajectoryBuilder(group=ep.group)]
     out = _Outcome()
     try:
         env: gym.Env = await thread.call("env_fn", env_fn, timeout=timeout)
     except EnvTimeoutError as e:
         _abandon(thread, None, ep, e, out)
-        return _finish(builder, ep, out)
+        return _finish(builders, ep, out)
     except BaseException:  # cannot be built: not this episode's fault, raise
         thread.stop()
         raise
     hung = False
     try:
-        await _play(engine, env, thread, ep, sampling, budget, builder, out)
+        await _play(engine, env, thread, ep, sampling, budget, builders, out)
     except EnvTimeoutError as e:
         hung = True
         _abandon(thread, env.close, ep, e, out)
@@ -210,15 +217,17 @@ async def _episode(
     finally:
         if not hung:
             await _close(thread, env, ep, timeout)
-    return _finish(builder, ep, out)
+    return _finish(builders, ep, out)
 
 
 async def _play(
     engine: Engine, env: gym.Env, thread: EnvThread, ep: _Episode, sampling: SamplingParams,
-    budget: EpisodeBudget, builder: TrajectoryBuilder, out: _Outcome,
+    budget: EpisodeBudget, builders: list[TrajectoryBuilder], out: _Outcome,
 ) -> None:
-    """Reset and play the episode's turns, recording into `builder` and `out`."""
+    """Reset and play the episode's turns, recording into `builders` (one per segment, the
+    current last) and `out`."""
     timeout = budget.env_timeout_s
+    builder = builders[-1]
     obs, info = await thread.call("reset", env.reset, seed=ep.seed, options=ep.options,
                                   timeout=timeout)
     out.info = dict(info)
@@ -258,11 +267,17 @@ async def _play(
         out.terminated, out.truncated, out.info = bool(terminated), bool(truncated), dict(step_info)
         if terminated or truncated:
             return
-        over = budget.exhausted(turns=turn, tokens=len(context) + len(obs["tokens"]))
+        fresh = bool(step_info.get("new_segment"))  # a whole new context: a new segment
+        over = budget.exhausted(turns=turn,
+                                tokens=(0 if fresh else len(context)) + len(obs["tokens"]))
         if over is not None:
             # No turn left, or no room to act after this observation: end without it.
             out.truncated, out.info["truncated_by"] = True, over
             return
+        if fresh:
+            builder = TrajectoryBuilder(group=ep.group)
+            builders.append(builder)
+            context, images = [], []
         context, images = _observe(builder, obs, context, images, engine)
 
 
@@ -295,10 +310,19 @@ async def _close(thread: EnvThread, env: gym.Env, ep: _Episode, timeout: float |
     thread.stop()
 
 
-def _finish(builder: TrajectoryBuilder, ep: _Episode, out: _Outcome) -> Trajectory:
+def _finish(builders: list[TrajectoryBuilder], ep: _Episode, out: _Outcome) -> list[Trajectory]:
+    """The episode's trajectory, or its segments' (each with the episode's outcome and info)."""
     out.info.update(prompt_index=ep.prompt_index, sample_index=ep.sample_index, seed=ep.seed)
-    return builder.build(terminated=out.terminated, truncated=out.truncated, info=out.info,
-                         discard=bool(out.info.get("discard", False)))
+    out.info.pop("new_segment", None)
+    discard = bool(out.info.get("discard", False))
+    if len(builders) == 1:
+        return [builders[0].build(terminated=out.terminated, truncated=out.truncated,
+                                  info=out.info, discard=discard)]
+    episode = uuid.uuid4().hex
+    return [b.build(terminated=out.terminated, truncated=out.truncated, discard=discard,
+                    info={**out.info, "episode": episode, "segment": k,
+                          "segment_cause": "template" if k else "start"})
+            for k, b in enumerate(builders)]
 
 
 def _observe(

@@ -19,6 +19,7 @@ separately; a problem left with no samples is dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -38,6 +39,7 @@ from agentrl.command_line import (
 from agentrl.completion import SamplingParams
 from agentrl.models import DEFAULT_MODEL
 from agentrl.models.named import check_engine_loads
+from agentrl.segments import by_episode
 from agentrl.types import Trajectory
 
 if TYPE_CHECKING:
@@ -80,9 +82,9 @@ class EvalResult:
     num_problems: int
     """Problems in the estimates (those with at least one scorable sample)."""
     num_samples: int
-    """Scorable trajectories (discarded ones excluded)."""
+    """Scorable episodes (discarded ones excluded; an episode in segments counts once)."""
     num_discarded: int
-    """Trajectories marked `discard` (env or sandbox failures), excluded."""
+    """Episodes marked `discard` (env or sandbox failures), excluded."""
     num_env_errors: int
     """Scored episodes with `info["error"]` (scored as unsolved)."""
     mean_return: float = 0.0
@@ -138,11 +140,14 @@ def paired_change(before: dict[int, float], after: dict[int, float]) -> tuple[fl
 
 
 def score(trajectories: Sequence[Trajectory], k: int) -> EvalResult:
-    """Group trajectories by `info["prompt_index"]` and compute pass@1 and pass@k."""
+    """Group episodes by `info["prompt_index"]` and compute pass@1 and pass@k. An episode in
+    segments (`agentrl.segments`) is one sample: its reward is their sum, its info its last's,
+    discarded if any of them is."""
     groups: dict[int, list[bool]] = {}
     discarded = env_errors = 0
     returns: list[float] = []
-    for traj in trajectories:
+    for segments in by_episode(trajectories):
+        traj = _whole(segments)
         index = int(traj.info.get("prompt_index", len(groups)))
         if traj.discard:
             discarded += 1
@@ -169,6 +174,16 @@ def score(trajectories: Sequence[Trajectory], k: int) -> EvalResult:
         per_problem=per_problem,
         problem_indices=[i for i, _ in scored],
     )
+
+
+def _whole(segments: list[Trajectory]) -> Trajectory:
+    """An episode's segments as one trajectory for scoring: the last one's, with every
+    segment's turns' rewards (its tokens are not the episode's; only rewards and info count)."""
+    if len(segments) == 1:
+        return segments[0]
+    last = segments[-1]
+    return dataclasses.replace(last, turns=[t for s in segments for t in s.turns],
+                               discard=any(s.discard for s in segments))
 
 
 def evaluate(

@@ -93,7 +93,7 @@ def test_template_that_rewrites_history_is_reported_not_raised(tiny_tokenizer):
         "{% if message.content is string %}{% if message.role == 'assistant' and not loop.last %}"
         "{{ message.content.split('</think>')[-1] }}{% else %}{{ message.content }}{% endif %}",
     )
-    env = ChatTokenEnv(Scripted(), tok)
+    env = ChatTokenEnv(Scripted(), tok, on_rewrite="report")
     running, spans, infos, _ = _episode(env, tok, ["<think>hmm</think>Uno", "Dos", "Tres"])
     # Once a new user message follows, the re-render drops the reasoning: drift, every turn.
     assert [info["drift"]["kind"] for info in infos] == ["template"] * 3
@@ -101,9 +101,54 @@ def test_template_that_rewrites_history_is_reported_not_raised(tiny_tokenizer):
     for start, ids in spans:  # sampled tokens are never rewritten
         assert running[start : start + len(ids)] == ids
     # Control: the same template without reasoning blocks does not drift.
-    env = ChatTokenEnv(Scripted(), tok)
+    env = ChatTokenEnv(Scripted(), tok, on_rewrite="report")
     _, _, infos, _ = _episode(env, tok, ["Uno", "Dos", "Tres"])
     assert infos[-1]["drift_events"] == 0
+
+
+def test_template_that_drops_reasoning_starts_new_segments():
+    """tiny-think's template drops an earlier turn's <think>...</think> once a user message
+    follows (as Qwen3's): the next observation is the template's whole rendering, a new
+    segment, not drift; the reasoning of the turn before is gone from it, the sampled tokens
+    of each segment are exactly the action, and a turn without reasoning continues."""
+    from agentrl.models import load_tokenizer
+
+    tok = load_tokenizer("tiny-think")
+    env = ChatTokenEnv(Scripted(), tok)
+    obs, info = env.reset(seed=0)
+    assert info["segments"] == 1
+    context = obs["tokens"].tolist()
+    segments, answers = [], ["<think>first idea</think>Uno", "<think>second</think>Dos", "Tres"]
+    for answer in answers:
+        action = _ids(tok, answer)
+        context += action.tolist()
+        segments.append(list(context))
+        obs, _, term, _, info = env.step(action)
+        assert "drift" not in info and info["drift_events"] == 0
+        if term:
+            break
+        new = obs["tokens"].tolist()
+        if info.get("new_segment"):
+            shown = tok.decode(new, skip_special_tokens=False)
+            assert shown == render_text(tok, env.messages, add_generation_prompt=True)
+            assert "Uno" in shown and "first idea" not in shown  # reasoning dropped
+            assert env.token_ids == new
+            context = new
+        else:
+            context += new
+    assert info["segments"] == 3  # two replies carried reasoning into a later question
+    # Each segment ends with its action exactly as sampled; the last segment's running ids
+    # are the env's.
+    assert env.token_ids == segments[-1]
+    for seq, answer in zip(segments, answers, strict=True):
+        action = _ids(tok, answer).tolist()
+        assert seq[-len(action):] == action
+
+
+def test_on_rewrite_takes_segment_or_report(tiny_tokenizer):
+    with pytest.raises(ValueError, match=r"on_rewrite='fork': expected one of \('segment', "
+                                         r"'report'\)"):
+        ChatTokenEnv(Scripted(), tiny_tokenizer, on_rewrite="fork")
 
 
 def test_non_canonical_sampled_tokens_are_kept_and_reported(tiny_tokenizer):
