@@ -16,7 +16,10 @@ import dataclasses
 import logging
 import typing
 from collections.abc import Iterator, Mapping, Sequence
-from typing import ClassVar, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
+
+if TYPE_CHECKING:
+    from agentrl.completion import SamplingParams
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -160,6 +163,16 @@ class LocalEngineOptions(EngineOptions):
     max_batch_size: int = 64
     """Most sequences the engine decodes together."""
 
+    def open_engine(self, model: str, tokenizer: Any) -> Any:
+        """The engine these flags describe, serving `model` (what eval and rollout sample with)."""
+        from agentrl.engine import open_engine
+
+        return open_engine(
+            model, engine=self.engine, device=self.device, tokenizer=tokenizer,
+            max_batch_size=self.max_batch_size, tensor_parallel_size=self.tensor_parallel_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+        )
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingOptions:
@@ -200,6 +213,13 @@ class EpisodeOptions(LocalEngineOptions, SamplingOptions):
     """Seeds the env resets and the sampling, so a rerun gives the same episodes."""
     progress: bool = True
     """Show a progress bar."""
+
+    def sampling(self) -> SamplingParams:
+        """Each turn's sampling, seeded by --seed."""
+        from agentrl.completion import SamplingParams
+
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p,
+                              max_tokens=self.max_new_tokens, seed=self.seed)
 
     def __post_init__(self) -> None:
         if validation_deferred():

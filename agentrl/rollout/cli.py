@@ -69,8 +69,6 @@ def run(args: RolloutArgs) -> int:
     import gymnasium as gym
 
     import agentrl  # noqa: F401 - registers the built-in env ids
-    from agentrl.completion import SamplingParams
-    from agentrl.engine import open_engine
     from agentrl.envs import resolve_env_id
     from agentrl.models import load_tokenizer
     from agentrl.rollout import collect_sync
@@ -78,18 +76,9 @@ def run(args: RolloutArgs) -> int:
 
     try:
         env_id = resolve_env_id(args.env)
-        sampling = SamplingParams(
-            temperature=args.temperature,
-            top_p=args.top_p,
-            max_tokens=args.max_new_tokens,
-            seed=args.seed,
-        )
+        sampling = args.sampling()
         tokenizer = load_tokenizer(args.model)
-        engine = open_engine(
-            args.model, engine=args.engine, device=args.device, tokenizer=tokenizer,
-            max_batch_size=args.max_batch_size, tensor_parallel_size=args.tensor_parallel_size,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-        )
+        engine = args.open_engine(args.model, tokenizer)
     except ValueError as e:
         print(f"agentrl rollout: {e}", file=sys.stderr)
         return 2

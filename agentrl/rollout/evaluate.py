@@ -354,7 +354,6 @@ def run(args: EvalArgs) -> int:
     import gymnasium as gym
 
     import agentrl  # noqa: F401 - registers the built-in env ids
-    from agentrl.engine import open_engine
     from agentrl.envs import resolve_env_id
     from agentrl.models import load_tokenizer
     from agentrl.trajectory_files import save_jsonl
@@ -364,16 +363,11 @@ def run(args: EvalArgs) -> int:
         kwargs = env_kwargs_for(args, env_id)
         tokenizer = load_tokenizer(args.model)
         gym.make(env_id, tokenizer=tokenizer, **kwargs).close()  # fail fast on bad options
-        engine = open_engine(
-            args.model, engine=args.engine, device=args.device, tokenizer=tokenizer,
-            max_batch_size=args.max_batch_size, tensor_parallel_size=args.tensor_parallel_size,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-        )
+        engine = args.open_engine(args.model, tokenizer)
     except ValueError as e:
         print(f"agentrl eval: {e}", file=sys.stderr)
         return 2
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                              max_tokens=args.max_new_tokens, seed=args.seed)
+    sampling = args.sampling()
     try:
         result = evaluate(
             engine, lambda: gym.make(env_id, tokenizer=tokenizer, **kwargs),

@@ -17,7 +17,7 @@ from pydantic import TypeAdapter
 from agentrl.engine.fakes import FakeEngine, StreamingFakeEngine
 from agentrl.models import load_tokenizer
 from tests.servers.test_images import _data_url, _img, _png
-from tests.servers.test_tool_calls import CALL_TEXT, _tool_reply
+from tests.servers.test_tool_calls import CALL_TEXT, _tool_reply, one_trajectory_for_the_round_trip
 
 TOOLS = [{"name": "get_weather", "description": "Weather in a city", "input_schema": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
@@ -94,14 +94,7 @@ def test_a_tool_round_trip_is_one_trajectory(make_proxy, tok, stream_second):
     else:
         r2 = client.messages.create(messages=msgs, **kw)
     assert [b.text for b in r2.content if b.type == "text"] == ["It is sunny."]
-    session = p.store.get("tools")
-    [traj] = session.trajectories()
-    assert session.drift_events == 0 and len(traj.turns) == 2
-    first = traj.turns[0]
-    assert tok.decode(traj.token_ids[first.start:first.end]).startswith(CALL_TEXT)
-    second_prompt = p.engine.requests[1][0]
-    assert second_prompt[:first.end] == traj.token_ids[:first.end]
-    assert "sunny" in tok.decode(second_prompt[first.end:])
+    second_prompt = one_trajectory_for_the_round_trip(p, tok, "tools")
     assert r2.usage.input_tokens == len(second_prompt)
 
 

@@ -12,7 +12,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from agentrl.engine.fakes import FakeEngine
-from tests.servers.test_tool_calls import CALL_TEXT, _tool_reply
+from tests.servers.test_tool_calls import CALL_TEXT, _tool_reply, one_trajectory_for_the_round_trip
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
           "strict": True, "parameters": {
@@ -68,15 +68,7 @@ def test_a_tool_round_trip_is_one_trajectory(make_proxy, tok, how):
                                      instructions="Use tools.")
     assert r2.output_text == "It is sunny." and r2.previous_response_id == (
         r1.id if how == "previous_response_id" else None)
-    session = p.store.get("tools")
-    [traj] = session.trajectories()
-    assert session.drift_events == 0 and len(traj.turns) == 2
-    first = traj.turns[0]
-    assert tok.decode(traj.token_ids[first.start:first.end]).startswith(CALL_TEXT)
-    # The second prompt holds the first call's sampled tokens, then the tool's result.
-    second_prompt = p.engine.requests[1][0]
-    assert second_prompt[:first.end] == traj.token_ids[:first.end]
-    assert "sunny" in tok.decode(second_prompt[first.end:])
+    one_trajectory_for_the_round_trip(p, tok, "tools")
 
 
 def test_streamed_events_are_the_sdks_and_add_up_to_the_answer(make_proxy, tok):

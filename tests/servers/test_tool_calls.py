@@ -45,6 +45,21 @@ def _tool_reply(call_text: str):
     return reply
 
 
+def one_trajectory_for_the_round_trip(proxy, tok, session_id: str) -> list[int]:
+    """Asserts that a tool call and the call carrying its result ("sunny") made one trajectory
+    of two turns, with no drift, the second prompt continuing from the first call's sampled
+    tokens; returns that second prompt (the route's tests compare their usage with it)."""
+    session = proxy.store.get(session_id)
+    [traj] = session.trajectories()
+    assert session.drift_events == 0 and len(traj.turns) == 2
+    first = traj.turns[0]
+    assert tok.decode(traj.token_ids[first.start:first.end]).startswith(CALL_TEXT)
+    second_prompt = proxy.engine.requests[1][0]
+    assert second_prompt[:first.end] == traj.token_ids[:first.end]
+    assert "sunny" in tok.decode(second_prompt[first.end:])
+    return second_prompt
+
+
 def _episode(client, tools=TOOLS):
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
     r1 = client.chat.completions.create(model="agentrl", messages=msgs, tools=tools)
@@ -239,7 +254,7 @@ def test_client_content_that_spells_special_tokens_stays_text(make_proxy, tok):
 
 
 def test_streamed_replies_sent_back_merge_by_the_sampled_tokens(make_proxy, tok):
-    per_char = lambda text: [t for ch in text for t in tok.encode(ch, add_special_tokens=False)]  # noqa: E731
+    per_char = lambda text: [t for ch in text for t in tok.encode(ch, add_special_tokens=False)]
     p = make_proxy(StreamingFakeEngine(tok, reply=_tool_reply(CALL_TEXT), token_ids_for=per_char))
     client = p.client("streamed")
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
