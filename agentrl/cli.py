@@ -68,6 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agentrl: unknown command {name!r}.{did_you_mean}\n\n{_usage(table)}",
               file=sys.stderr)
         return 2
+    # Modules named on the command line (`--env echo_env:me/Echo-v0`, `--agent my_agent:run`)
+    # import from the current directory, as with `python -m`; last, so they shadow nothing
+    # installed. Ray's workers get the driver's directory on their path too.
+    import os
+
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     from agentrl.plugins import load_callable
 
     return int(load_callable(table[name][0], "main")(underscored(rest)) or 0)

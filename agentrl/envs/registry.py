@@ -153,18 +153,112 @@ def env_takes(id: str, name: str) -> bool:
 
 
 def resolve_env_id(name: str) -> str:
-    """Map a CLI name ("math-tir") or a full id to a registered id, with a did-you-mean."""
+    """Map a CLI name ("math-tir"), a full id, or user code naming an env to a registered id,
+    with a did-you-mean. User code is imported first: `module:ID` (Gymnasium's convention, e.g.
+    "echo_env:me/Echo-v0"), `module:EnvClass`, and the same with a file path (`echo_env.py:ID`),
+    or a file alone (`echo_env.py`: the one env it registers, or its one env class)."""
     load_plugins()
     if name in _ALIASES:
         return _ALIASES[name]
     if name in gym.registry:
         return name
+    if ":" in name or name.endswith(".py"):
+        return _env_from_user_code(name)
     candidates = [*_ALIASES, *(k for k in gym.registry if "/" in k)]
     hint = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
     did_you_mean = f" Did you mean {hint[0]!r}?" if hint else ""
     raise ValueError(
         f"unknown environment {name!r}.{did_you_mean} Run `agentrl envs` to list them."
     )
+
+
+def _env_from_user_code(name: str) -> str:
+    """The id that `name` (see resolve_env_id) names, importing its module or file."""
+    from agentrl.plugins import load_module_file
+
+    where, _, attr = name.rpartition(":") if ":" in name else (name, "", "")
+    try:
+        if where.endswith(".py"):
+            module = load_module_file(_find_file(where))
+        else:
+            module = importlib.import_module(where)
+    except (ImportError, ValueError) as e:
+        raise ValueError(f"--env {name}: cannot import {where!r} ({e}). Name a module importable "
+                         f"from the current directory or a .py file") from None
+    if attr and attr in gym.registry:
+        return attr
+    if attr and hasattr(module, attr):
+        target = getattr(module, attr)
+        same = [i for i in _ids_of(module)
+                if getattr(_target(i), "__qualname__", None) == getattr(target, "__qualname__", 0)]
+        return same[0] if len(same) == 1 else _register_user_env(where, attr, target)
+    if attr:
+        raise ValueError(f"--env {name}: {where} registers no env {attr!r} and defines no "
+                         f"{attr!r}. Registered there: {_ids_of(module) or 'none'}")
+    ids = _ids_of(module)
+    if len(ids) == 1:
+        return ids[0]
+    classes = _env_classes_of(module)
+    if not ids and len(classes) == 1:
+        return _register_user_env(where, classes[0].__name__, classes[0])
+    found = ids or [c.__name__ for c in classes]
+    raise ValueError(f"--env {name}: name one of {found or 'its envs'} as {where}:NAME"
+                     + ("" if found else f" ({where} registers no env and defines no env class)"))
+
+
+def _find_file(path: str) -> str:
+    """`path` as given, else under a directory of sys.path (a Ray worker's has the driver's
+    working directory, where the user named it)."""
+    import os
+    import sys
+
+    if os.path.isabs(path) or os.path.isfile(path):
+        return path
+    for d in sys.path:
+        candidate = os.path.join(d or ".", path)
+        if os.path.isfile(candidate):
+            return candidate
+    return path  # load_module_file says it does not exist
+
+
+def _ids_of(module: Any) -> list[str]:
+    """The ids registered through agentrl whose entry point `module` defines (by its source
+    file: the same file imported as a module and by its path is one module here)."""
+    return sorted(i for i in _ENVS if _defined_in(_target(i), module))
+
+
+def _target(env_id: str) -> Any:
+    return (gym.spec(env_id).kwargs or {}).get("target")
+
+
+def _defined_in(obj: Any, module: Any) -> bool:
+    import sys
+
+    home = sys.modules.get(getattr(obj, "__module__", None) or "")
+    return home is module or (home is not None and getattr(home, "__file__", None) is not None
+                              and home.__file__ == getattr(module, "__file__", None))
+
+
+def _env_classes_of(module: Any) -> list[type]:
+    from agentrl.envs.base import TokenEnv
+    from agentrl.envs.chat import ChatEnv
+
+    return [v for v in vars(module).values()
+            if inspect.isclass(v) and issubclass(v, ChatEnv | TokenEnv)
+            and v.__module__ == module.__name__]
+
+
+def _register_user_env(where: str, attr: str, target: Any) -> str:
+    """Register a class or factory named on the command line as `<module>/<Attr>-v0`."""
+    if not callable(target):
+        raise ValueError(  # noqa: TRY004 - a bad flag value, which the CLIs report as such
+            f"--env {where}:{attr} is a {type(target).__name__}, not an env class, a factory "
+            f"or a registered id")
+    stem = re.sub(r"[^A-Za-z0-9_.\-]", "_", where.rsplit("/", 1)[-1].removesuffix(".py"))
+    env_id = f"{stem}/{attr[:1].upper()}{re.sub(r'[^A-Za-z0-9_]', '_', attr[1:])}-v0"
+    if env_id not in gym.registry:
+        register(env_id, target)
+    return env_id
 
 
 def list_envs() -> list[EnvInfo]:
