@@ -110,13 +110,16 @@ class AlgoConfig:
     """Advantage estimator: gae (PPO), reinforce (REINFORCE++), reinforce_baseline, group_norm
     (GRPO), dr_grpo, rloo."""
     policy_loss: str = "ppo"
-    """Policy loss: ppo (clip, clip-higher, dual clip) or gspo."""
-    clip_low: float = 0.2
-    """PPO lower clip epsilon."""
-    clip_high: float = 0.2
-    """PPO upper clip epsilon (set above clip_low for DAPO's clip-higher)."""
+    """Policy loss: ppo (clip, clip-higher, dual clip), gspo (sequence ratio) or cispo (the
+    clipped ratio as a stop-gradient weight on REINFORCE, MiniMax-M1)."""
+    clip_low: float | None = None
+    """Lower clip epsilon: ratios below 1 - clip_low are clipped. None: the loss's own default
+    (ppo 0.2, gspo 3e-4, cispo 1 = no lower bound, as in the CISPO paper)."""
+    clip_high: float | None = None
+    """Upper clip epsilon: ratios above 1 + clip_high are clipped (above clip_low: DAPO's
+    clip-higher). None: the loss's own default (ppo 0.2, gspo 4e-4, cispo 3)."""
     dual_clip: float | None = None
-    """Dual-clip constant c > 1 for negative advantages (None disables)."""
+    """Dual-clip constant c > 1 for negative advantages (None disables; ppo and gspo)."""
     loss_agg: Literal[
         "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"
     ] = "token-mean"
@@ -165,6 +168,15 @@ class AlgoConfig:
         _check_name("--algo.policy_loss", self.policy_loss, tuple(POLICY_LOSSES))
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"--algo.dual_clip must be > 1, got {self.dual_clip}")
+        if self.policy_loss == "cispo":
+            from agentrl.algorithms import check_cispo_clip
+
+            check_cispo_clip(self.clip_low, self.clip_high,
+                             names=("--algo.clip_low", "--algo.clip_high"))
+            if self.dual_clip is not None:
+                raise ValueError("--algo.dual_clip bounds ppo's and gspo's clipped surrogate; "
+                                 "cispo has no such term (its weight is capped at 1 + "
+                                 "--algo.clip_high): leave --algo.dual_clip unset")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError("--algo.kl_coef and --algo.entropy_coef must be >= 0")
         if self.critic_init is not None:

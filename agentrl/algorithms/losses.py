@@ -10,6 +10,7 @@ with per-token weights such as :func:`agentrl.algorithms.corrections.mismatch_we
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any, Literal, overload
@@ -116,7 +117,93 @@ def gspo_loss(
     return loss_BT, metrics
 
 
-POLICY_LOSSES: dict[str, PolicyLoss] = {"ppo": ppo_loss, "gspo": gspo_loss}
+CISPO_CLIP_LOW = 1.0
+"""CISPO's default lower epsilon: the weight's lower bound ``1 - 1 = 0`` binds no ratio, as the
+paper sets eps_low "to a large value" so as to impose no lower bound."""
+CISPO_CLIP_HIGH = 3.0
+"""CISPO's default upper epsilon (weights capped at 4). The paper tunes eps_high without giving
+its value; 4 is Tinker's default cap for CISPO (TRL and NeMo-RL suggest 5 and 6)."""
+
+
+def check_cispo_clip(
+    clip_low: float | None,
+    clip_high: float | None,
+    *,
+    names: tuple[str, str] = ("clip_low", "clip_high"),
+) -> tuple[float, float]:
+    """CISPO's ``(clip_low, clip_high)``, ``None`` taking the defaults; ``ValueError`` naming
+    ``names`` (the caller's flags) where ``[1 - clip_low, 1 + clip_high]`` is empty or inverted.
+
+    The range must hold the on-policy weight 1 and be more than that one point: ``clip_low >=
+    0`` (``>= 1`` means no lower bound), ``clip_high >= 0``, not both 0.
+    """
+    low = CISPO_CLIP_LOW if clip_low is None else clip_low
+    high = CISPO_CLIP_HIGH if clip_high is None else clip_high
+    if low >= 0 and high >= 0 and low + high > 0:
+        return low, high
+    lower, upper = 1.0 - low, 1.0 + high
+    if math.isnan(lower) or math.isnan(upper):
+        what = "has no bound (NaN)"
+    elif lower > upper:
+        what = "is inverted (its lower bound is above its upper bound)"
+    elif lower == upper:
+        what = "is empty (one point: every weight would be 1)"
+    else:
+        what = "leaves out the on-policy weight 1"
+    raise ValueError(
+        f"{names[0]}={low:g} and {names[1]}={high:g} give CISPO the clip range [1 - {names[0]}, "
+        f"1 + {names[1]}] = [{lower:g}, {upper:g}], which {what}; use {names[0]} >= 0 and "
+        f"{names[1]} >= 0, not both 0 (the defaults {CISPO_CLIP_LOW:g} and "
+        f"{CISPO_CLIP_HIGH:g}: no lower bound, as in the paper, and a cap of "
+        f"{1 + CISPO_CLIP_HIGH:g})."
+    )
+
+
+def cispo_loss(
+    *,
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    advantages_BT: Tensor,
+    mask_BT: Tensor,
+    clip_low: float = CISPO_CLIP_LOW,
+    clip_high: float = CISPO_CLIP_HIGH,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO: REINFORCE weighted by the clipped, stop-gradient importance ratio (MiniMax-M1,
+    MiniMax 2025, arXiv:2506.13585, eq. 4).
+
+    ``r_t = exp(clamp(logp_t - old_t, -20, 20))``, ``w_t = sg(clamp(r_t, 1 - clip_low, 1 +
+    clip_high))``, ``loss_t = -w_t A_t logp_t``, so ``grad loss_t = -w_t A_t grad logp_t`` on
+    every action token: the ratio is bounded, never the update, so no token's gradient is dropped
+    (PPO's ``min`` zeroes the gradient of the tokens outside its range, often the rare tokens that
+    turn a chain of thought). The paper averages over all tokens of the batch
+    (``aggregate_loss(..., "token-mean")``), imposes no lower bound (eps_low large: here
+    ``clip_low >= 1``) and tunes eps_high; defaults :data:`CISPO_CLIP_LOW` 1 and
+    :data:`CISPO_CLIP_HIGH` 3 (weights in ``[0, 4]``). A range that is empty or inverted is
+    refused (:func:`check_cispo_clip`); ``dual_clip`` has no term to bound here and is refused.
+    All inputs ``[B, T]``; returns ``loss_BT`` (0 off-mask) and detached metrics ``clip_ratio``
+    (share of action tokens whose weight was clipped) and ``approx_kl`` (masked mean of old -
+    logp).
+    """
+    check_cispo_clip(clip_low, clip_high)
+    if dual_clip is not None:
+        raise ValueError(
+            f"dual_clip={dual_clip:g} bounds PPO's clipped surrogate for negative advantages; "
+            f"CISPO has no such term (its weight is capped at 1 + clip_high): leave dual_clip "
+            f"unset."
+        )
+    log_ratio_BT = (logp_BT - old_logp_BT).detach()  # sg: the weight is a constant
+    ratio_BT = torch.exp(log_ratio_BT.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    weight_BT = ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_BT = -weight_BT * advantages_BT * logp_BT
+    loss_BT = torch.where(mask_BT != 0, loss_BT, torch.zeros_like(loss_BT))
+    return loss_BT, {
+        "clip_ratio": masked_mean((weight_BT != ratio_BT).float(), mask_BT).detach(),
+        "approx_kl": masked_mean(old_logp_BT - logp_BT, mask_BT).detach(),
+    }
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {"ppo": ppo_loss, "gspo": gspo_loss, "cispo": cispo_loss}
 
 
 def register_policy_loss(name: str, fn: PolicyLoss, *, overwrite: bool = False) -> None:
@@ -138,7 +225,7 @@ def policy_loss(
     """Per-token policy surrogate ``loss_BT`` (not reduced) and detached metrics.
 
     ``clip_low`` / ``clip_high`` left ``None`` take the loss's own defaults (0.2 / 0.2 for
-    ``ppo``, 3e-4 / 4e-4 for ``gspo``). Reduce with :func:`aggregate_loss`.
+    ``ppo``, 3e-4 / 4e-4 for ``gspo``, 1 / 3 for ``cispo``). Reduce with :func:`aggregate_loss`.
     """
     fn = lookup(POLICY_LOSSES, name, "policy loss")
     for other_name, other in (("old_logp_BT", old_logp_BT), ("advantages_BT", advantages_BT),

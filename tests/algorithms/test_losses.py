@@ -145,6 +145,102 @@ def test_gspo_gradient_equals_the_sequence_level_objective() -> None:
     torch.testing.assert_close(grad, want)
 
 
+def _reference_cispo(
+    logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, low: float, high: float
+) -> tuple[list[list[float]], list[list[float]], float]:
+    """Token loop of MiniMax-M1 eq. 4: per token the loss -w A logp, its derivative in logp
+    (-w A, the weight being stop-gradient) and the share of action tokens whose weight clipped."""
+    loss = [[0.0] * logp.shape[1] for _ in range(logp.shape[0])]
+    dloss = [[0.0] * logp.shape[1] for _ in range(logp.shape[0])]
+    clipped = count = 0
+    for b in range(logp.shape[0]):
+        for t in range(logp.shape[1]):
+            if not mask[b, t]:
+                continue
+            ratio = math.exp(min(max(float(logp[b, t] - old[b, t]), -20.0), 20.0))
+            weight = min(max(ratio, 1 - low), 1 + high)
+            loss[b][t] = -weight * float(adv[b, t]) * float(logp[b, t])
+            dloss[b][t] = -weight * float(adv[b, t])
+            clipped += weight != ratio
+            count += 1
+    return loss, dloss, clipped / count
+
+
+@pytest.mark.parametrize(
+    ("low", "high"),
+    # None: the defaults (1, 3): no lower bound, as in the paper; then ranges that bind.
+    [(None, None), (0.2, 0.28), (1.0, 0.1), (0.1, 3.0)],
+)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cispo_matches_reference(seed: int, low: float | None, high: float | None) -> None:
+    inputs = _random_policy_inputs(seed)
+    logp = inputs["logp_BT"].clone().requires_grad_(True)
+    loss, metrics = policy_loss(
+        "cispo", clip_low=low, clip_high=high, **{**inputs, "logp_BT": logp}
+    )
+    mask = inputs["mask_BT"]
+    want, dwant, clip_ratio = _reference_cispo(
+        inputs["logp_BT"], inputs["old_logp_BT"], inputs["advantages_BT"], mask,
+        1.0 if low is None else low, 3.0 if high is None else high,
+    )
+    torch.testing.assert_close(loss, torch.tensor(want))
+    # The paper's token-mean: the gradient is -w A / N_tokens on every action token.
+    (grad,) = torch.autograd.grad(aggregate_loss(loss, mask, "token-mean"), logp)
+    torch.testing.assert_close(grad, torch.tensor(dwant) / mask.sum())
+    torch.testing.assert_close(metrics["clip_ratio"], torch.tensor(clip_ratio))
+    assert (clip_ratio == 0) == (low is None), clip_ratio  # 0.3-sigma ratios stay below 4
+    kl = float(((inputs["old_logp_BT"] - inputs["logp_BT"]) * mask).sum() / mask.sum())
+    torch.testing.assert_close(metrics["approx_kl"], torch.tensor(kl))
+
+
+def test_cispo_keeps_the_gradient_that_ppo_clips_by_hand() -> None:
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    # Ratios 1.5 (A > 0), 0.5 (A < 0) and 10 (A > 0): outside PPO's [0.8, 1.2], so PPO's min
+    # takes the constant clipped term and their gradient is 0; CISPO bounds only the weight.
+    old = torch.log(torch.tensor([[0.4, 0.2, 0.01, 0.5]]))
+    logp = (old + torch.log(torch.tensor([[1.5, 0.5, 10.0, 1.0]])))
+    adv = torch.tensor([[2.0, -1.0, 1.0, 5.0]])
+    kwargs = {"old_logp_BT": old, "advantages_BT": adv, "mask_BT": mask}
+    grads = {}
+    for name, high in (("ppo", 0.2), ("cispo", None)):
+        x = logp.clone().requires_grad_(True)
+        loss, metrics = policy_loss(name, logp_BT=x, clip_high=high, **kwargs)
+        (grads[name],) = torch.autograd.grad(loss.sum(), x)
+        if name == "cispo":
+            # Weights sg(clip(r, 0, 4)) = 1.5, 0.5, 4: loss -w A logp with logp = log 0.6, 0.1, 0.1.
+            want = [-1.5 * 2.0 * math.log(0.6), 0.5 * math.log(0.1), -4.0 * math.log(0.1), 0.0]
+            torch.testing.assert_close(loss, torch.tensor([want]))
+            torch.testing.assert_close(metrics["clip_ratio"], torch.tensor(1 / 3))
+    torch.testing.assert_close(grads["ppo"], torch.zeros(1, 4))
+    torch.testing.assert_close(grads["cispo"], torch.tensor([[-3.0, 0.5, -4.0, 0.0]]))
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "match"),
+    [
+        (0.0, 0.0, r"\[1, 1\], which is empty"),
+        (-0.5, 0.2, r"\[1.5, 1.2\], which is inverted"),
+        (2.0, -1.5, r"\[-1, -0.5\], which leaves out the on-policy weight 1"),
+        (float("nan"), 3.0, r"\[nan, 4\], which has no bound \(NaN\)"),
+    ],
+)
+def test_cispo_refuses_an_empty_or_inverted_clip_range(
+    low: float, high: float, match: str
+) -> None:
+    ones = torch.ones(2, 3)
+    kwargs = {"logp_BT": ones, "old_logp_BT": ones, "advantages_BT": ones, "mask_BT": ones}
+    with pytest.raises(ValueError, match=rf"clip_low={low:g} and clip_high={high:g} give CISPO "
+                                         rf"the clip range .* = {match}.*; use clip_low >= 0"):
+        policy_loss("cispo", clip_low=low, clip_high=high, **kwargs)
+
+
+def test_cispo_refuses_a_dual_clip() -> None:
+    ones = torch.ones(2, 3)
+    kwargs = {"logp_BT": ones, "old_logp_BT": ones, "advantages_BT": ones, "mask_BT": ones}
+    with pytest.raises(ValueError, match="dual_clip=3 bounds PPO's .* leave dual_clip unset"):
+        policy_loss("cispo", dual_clip=3.0, **kwargs)
+
+
 def _reference_aggregate(
     loss: Tensor, mask: Tensor, mode: str, n_tok: float, n_seq: float, constant: float | None
 ) -> float:

@@ -46,6 +46,27 @@ DATA_PARALLEL = ["--env", "digits", "--num_policy_workers", "2", "--rollout.mode
         (["--env", "digits", "--eval_every", "5", "--eval_problems", "8", "--keep_best", "pass@2"], r"--keep_best 'pass@2' is not an eval metric. Did you mean 'pass@1'\? Choose one of: pass@1, mean_return"),
         (["--env", "digits", "--eval_problems", "8", "--keep_best", "mean_return"], r"--keep_best mean_return compares the checkpoints of periodic evals: set --eval_every N"),
         (["--env", "digits", "--keep_last", "0"], r"--keep_last must be >= 1 .*got 0"),
+        (
+            ["--env", "digits", "--algo.policy_loss", "cispo", "--algo.clip_low", "0",
+             "--algo.clip_high", "0"],
+            r"--algo.clip_low=0 and --algo.clip_high=0 give CISPO the clip range .* = \[1, 1\], "
+            r"which is empty",
+        ),
+        (
+            ["--env", "digits", "--algo.policy_loss", "cispo", "--algo.clip_low", "-0.5",
+             "--algo.clip_high", "0.2"],
+            r"--algo.clip_low=-0.5 and --algo.clip_high=0.2 give CISPO the clip range .* = "
+            r"\[1.5, 1.2\], which is inverted",
+        ),
+        (
+            ["--env", "digits", "--algo.policy_loss", "cispo", "--algo.clip_high", "-1.5"],
+            r"--algo.clip_low=1 and --algo.clip_high=-1.5 give CISPO the clip range .* = "
+            r"\[0, -0.5\], which is inverted",
+        ),
+        (
+            ["--env", "digits", "--algo.policy_loss", "cispo", "--algo.dual_clip", "3"],
+            r"cispo has no such term .* leave --algo.dual_clip unset",
+        ),
     ],
 )
 def test_conflicting_flags_fail_before_loading(argv, match, monkeypatch):

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import inspect
 import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from agentrl.algorithms import ppo_loss
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "grpo_reference.py"
 
@@ -109,8 +112,12 @@ def test_the_trainer_takes_the_reference_loops_step(
     # The same GRPO: the digits preset is the reference's settings.
     assert (cfg.env, cfg.actor.model, cfg.algo.estimator, cfg.algo.policy_loss,
             cfg.algo.loss_agg) == ("digits", args.model, "group_norm", "ppo", "token-mean")
-    assert (cfg.actor.max_grad_norm, cfg.actor.warmup_steps, cfg.algo.clip_low,
-            cfg.algo.clip_high, cfg.algo.kl_coef, cfg.algo.entropy_coef,
+    # The clip epsilons are left unset: ppo's own defaults (inert at the on-policy ratio 1).
+    ppo_args = inspect.signature(ppo_loss).parameters
+    clips = [ppo_args[k].default if v is None else v
+             for k, v in (("clip_low", cfg.algo.clip_low), ("clip_high", cfg.algo.clip_high))]
+    assert (cfg.actor.max_grad_norm, cfg.actor.warmup_steps, *clips,
+            cfg.algo.kl_coef, cfg.algo.entropy_coef,
             cfg.rollout.temperature, cfg.epochs_per_step * cfg.minibatches_per_step) == (
         args.max_grad_norm, 0, args.clip, args.clip, 0.0, 0.0, args.temperature, 1)
     ref_adv, ref_loss, ref_weights = _reference_step(reference, batch)
