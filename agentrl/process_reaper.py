@@ -7,8 +7,9 @@ other end only the command holds. When the pipe reads EOF, every target still al
 SIGTERM, then SIGKILL after a grace period. Two kinds of targets:
 
 - `groups`: process groups the command registers on the pipe, `+PGID` when it starts one and
-  `-PGID` once it has ended (`servers.agent_processes`: command agents, each in a process group
-  of its own). A group that is not ours (its id reused by another user) is never a target.
+  `-PGID` once it has ended (`group_reaper()` below: `servers.agent_processes`' command agents
+  and `environments.miniwob`'s browsers, each in a process group of its own). A group that is
+  not ours (its id reused by another user) is never a target.
 - `ray TEMP_DIR PID`: a private Ray cluster's processes (`trainers.ray_utils.init_ray`). Ray's
   fate sharing takes the GCS and the raylet down with the driver, but its dashboard and
   runtime-env agents poll for a minute before they notice, and workers may hang on. They are
@@ -20,9 +21,12 @@ SIGTERM, then SIGKILL after a grace period. Two kinds of targets:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -94,6 +98,49 @@ def _signal(send: Callable[[int, int], None]) -> Callable[[int, int], None]:
             pass
 
     return kill
+
+
+class GroupReaper:
+    """The command's side of a `groups` reaper: started in a session of its own, told of each
+    process group the command starts (`watch`) and ends (`forget`)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-I", __file__, "groups"],
+                                     stdin=subprocess.PIPE, start_new_session=True)
+        self.lock = threading.Lock()
+        self.owner = os.getpid()  # a forked child starts its own
+
+    def _send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        with self.lock, contextlib.suppress(OSError):
+            self.proc.stdin.write(line.encode())
+            self.proc.stdin.flush()
+
+    def watch(self, pgid: int) -> None:
+        self._send(f"+{pgid}\n")
+
+    def forget(self, pgid: int) -> None:
+        self._send(f"-{pgid}\n")
+
+
+_group_reaper: GroupReaper | None = None
+_group_reaper_lock = threading.Lock()
+
+
+def group_reaper() -> GroupReaper:
+    """This process's reaper of process groups, started on first use (and again if it died)."""
+    global _group_reaper
+    with _group_reaper_lock:
+        r = _group_reaper
+        if r is None or r.owner != os.getpid() or r.proc.poll() is not None:
+            r = _group_reaper = GroupReaper()
+        return r
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL a process group; nothing if it is gone already."""
+    with contextlib.suppress(OSError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def main(argv: list[str]) -> None:

@@ -46,3 +46,10 @@ register(
     summary="Screenshots (VLM): read a drawn form's instructions, click fields, type, submit.",
     aliases=("screen-form",),
 )
+register(
+    "agentrl/MiniWoB-v0",
+    "environments.miniwob.env:MiniWoBEnv",
+    summary="Web tasks in headless Chromium (MiniWoB++): page text or screenshots; task= a task "
+            "or suite.",
+    aliases=("miniwob",),
+)

@@ -21,10 +21,7 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
-import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -81,15 +78,15 @@ class CommandAgent:
                 stderr=subprocess.PIPE, env=env, cwd=self.cwd, start_new_session=True)
         except OSError as e:
             raise AgentFailed("start", f"--agent_cmd {self.command!r} did not start: {e}") from None
-        reaper().watch(proc.pid)
+        process_reaper.group_reaper().watch(proc.pid)
         try:
             out, err = await proc.communicate(json.dumps(task).encode() + b"\n")
         finally:  # done, failed or cancelled (a timeout): nothing of the agent stays
-            kill_group(proc.pid)
+            process_reaper.kill_group(proc.pid)
             if proc.returncode is None:
                 with contextlib.suppress(BaseException):
                     await asyncio.wait_for(asyncio.shield(proc.wait()), 5)
-            reaper().forget(proc.pid)
+            process_reaper.group_reaper().forget(proc.pid)
         tail = err.decode(errors="replace")[-STDERR_TAIL_CHARS:]
         info: dict[str, object] = {"exit_status": proc.returncode, "stderr_tail": tail}
         if proc.returncode != 0:
@@ -98,44 +95,3 @@ class CommandAgent:
                                       f"{': ' + last if last else ''}", info)
         lines = out.decode(errors="replace").splitlines()
         return AgentAnswer(lines[-1] if lines else "", info)
-
-
-def kill_group(pgid: int) -> None:
-    with contextlib.suppress(OSError):
-        os.killpg(pgid, signal.SIGKILL)
-
-
-class _Reaper:
-    """This process's reaper (agentrl/process_reaper.py): told of every agent group."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-I", process_reaper.__file__, "groups"], stdin=subprocess.PIPE,
-            start_new_session=True)
-        self.lock = threading.Lock()
-        self.owner = os.getpid()  # a forked child starts its own
-
-    def _send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        with self.lock, contextlib.suppress(OSError):
-            self.proc.stdin.write(line.encode())
-            self.proc.stdin.flush()
-
-    def watch(self, pgid: int) -> None:
-        self._send(f"+{pgid}\n")
-
-    def forget(self, pgid: int) -> None:
-        self._send(f"-{pgid}\n")
-
-
-_reaper: _Reaper | None = None
-_reaper_lock = threading.Lock()
-
-
-def reaper() -> _Reaper:
-    """The reaper of this process, started on first use (and again if it died)."""
-    global _reaper
-    with _reaper_lock:
-        if _reaper is None or _reaper.owner != os.getpid() or _reaper.proc.poll() is not None:
-            _reaper = _Reaper()
-        return _reaper

@@ -37,8 +37,22 @@ def _single_turn_files(d):
 NEEDS = {"agentrl/SingleTurn-v0": _single_turn_files}
 """The envs that cannot be built without arguments, and what their error says to pass."""
 
+BROWSER_ENVS = {"agentrl/MiniWoB-v0"}
+"""The envs that drive a real Chromium: skipped, saying why, where it is not installed."""
+
+
+def _skip_without_browser(env_id):
+    if env_id in BROWSER_ENVS:
+        from environments.miniwob.browser import BrowserUnavailableError, find_browser
+
+        try:
+            find_browser()
+        except BrowserUnavailableError as e:
+            pytest.skip(f"no browser here: {e}")
+
 
 def _make(env_id, tok):
+    _skip_without_browser(env_id)
     kwargs = {}
     if _shows_images(env_id):  # screenshots need a vision-language model
         from agentrl.models import load_tokenizer
@@ -61,6 +75,7 @@ def _make(env_id, tok):
     # cached under $AGENTRL_CACHE).
     pytest.param(i, marks=[pytest.mark.slow] if _shows_images(i) else []) for i in IDS])
 def test_gym_make_alone_builds_or_says_what_to_pass(env_id, tmp_path):
+    _skip_without_browser(env_id)
     try:
         env = gym.make(env_id)
     except TypeError as e:

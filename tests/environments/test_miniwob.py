@@ -1,0 +1,421 @@
+"""`agentrl/MiniWoB-v0` (#33 item 1): the action grammar and the page listing on their own, then
+a real headless Chromium: Gymnasium's checker, scripted episodes that solve tasks, malformed and
+impossible actions as feedback, the clocks and the turn budget, screenshots through the chat
+bridge, pickling mid-episode, and the browser as a resource (a hung page, a page that never
+loads, close() and a SIGKILLed parent leave no process behind). The browser tests skip, saying
+why, where Chromium, its driver or the Python packages are missing."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import gymnasium as gym
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+import agentrl  # registers the ids
+from environments.miniwob import actions as act
+from environments.miniwob.browser import BrowserUnavailableError, find_browser
+
+ENV_ID = "agentrl/MiniWoB-v0"
+
+
+def _unavailable() -> str | None:
+    try:
+        find_browser()
+    except BrowserUnavailableError as e:
+        return str(e)
+    return None
+
+
+UNAVAILABLE = _unavailable()
+browser = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no browser here: {UNAVAILABLE}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _wait_dead(pids, within_s: float) -> list[int]:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and any(map(_alive, pids)):
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+# The grammar and the listing: no browser.
+
+
+@pytest.mark.parametrize(("text", "action"), [
+    ("click(6)", act.ClickRef(6)),
+    ("click(-3)", act.ClickRef(-3)),
+    ("The button is [6].\nclick( 12 , 40 )", act.ClickAt(12, 40)),
+    ('`type(5, "Jerald")`', act.Type("Jerald", 5)),
+    ('type("say \\"hi\\"")', act.Type('say "hi"')),
+    ('key("Enter")', act.Key("<Enter>")),
+    ('key("Control+a")', act.Key("C-a")),
+    ('key("Shift+Tab")', act.Key("S-<Tab>")),
+    ("scroll(0, -120)", act.Scroll(0, -120)),
+    ("done()", act.Done()),
+])
+def test_each_form_of_the_grammar_parses(text, action):
+    assert act.parse_action(text) == action
+
+
+@pytest.mark.parametrize(("text", "reason"), [
+    ("", r"^Your answer was empty\. End it with one action: click\(ref\), click\(x, y\)"),
+    ("I would click the Ok button", r"^No action in your answer's last line \('I would click"),
+    ("click(6)\nThat should do it.", r"^No action in your answer's last line \('That should"),
+    ("click(6) click(7)", r"^'click\(6\) click\(7\)' is not a valid click action; the forms are"),
+    ("type(5, 'hi')", r"^\"type\(5, 'hi'\)\" is not a valid type action.*strings in double quotes"),
+    ("click(1.5, 2)", r"is not a valid click action.*whole numbers"),
+    ('key("F13")', r"^key\(\"F13\"\): unknown key 'F13'; name one of Enter, Tab"),
+    ('key("Hyper+a")', r"^key\(\"Hyper\+a\"\): unknown modifier 'Hyper'"),
+    ("scroll(0, 99999)", r"^scroll\(0, 99999\) is too far: at most 2000 pixels"),
+    ('type("' + "x" * 201 + '")', r"^That text is 201 characters long; type at most 200"),
+])
+def test_what_is_not_an_action_gets_a_reason(text, reason):
+    got = act.parse_action(text)
+    assert isinstance(got, str)
+    assert re.search(reason, got), got
+
+
+def test_the_page_listing():
+    pytest.importorskip("miniwob", reason="the listing reads miniwob's DOM elements")
+    from miniwob.dom import DOMElement
+
+    from environments.miniwob.dom import render_page
+
+    def el(ref, tag, left, top, children=(), **kw):
+        return {"ref": ref, "tag": tag, "left": left, "top": top, "width": 40, "height": 20,
+                "children": list(children), **kw}
+
+    root = DOMElement(el(1, "BODY", 0, 0, [el(2, "DIV", 0, 0, [
+        el(3, "DIV", 2, 50, text="Some \"quoted\"   words"),
+        el(4, "INPUT_text", 2, 80, value="ab", focused=True),
+        el(5, "BUTTON", 2, 100, [el(6, "SPAN", 2, 100, text=""),
+                                 el(-1, "t", -5000, 100, text="Close")]),
+        el(7, "INPUT_checkbox", 2, 120, value=True),
+        el(8, "DIV", 2, 140, text=""),             # empty: not listed
+        el(9, "DIV", 300, 50, text="off screen"),  # outside 160 x 210: not listed
+        el(10, "P", 2, 160, [el(-2, "t", 2, 160, text="a run"), el(11, "SPAN", 50, 160,
+                                                                    text="link")]),
+    ])]))
+    lines, boxes = render_page(root, 160, 210)
+    assert lines == [
+        '[3] div "Some \\"quoted\\" words"',
+        '[4] input_text value="ab" (focused)',
+        '[5] button "Close"',
+        "[7] input_checkbox (checked)",
+        '[-2] text "a run"',
+        '[11] span "link"',
+    ]
+    assert sorted(boxes) == [-2, 3, 4, 5, 7, 11]
+    assert boxes[5].centre == (22, 110)
+
+
+def test_unknown_tasks_get_a_did_you_mean_and_the_list():
+    pytest.importorskip("miniwob", reason="the task list is the miniwob package's")
+    from environments.miniwob.tasks import SUITES, resolve_tasks, task_names
+
+    assert len(task_names()) >= 125 and "click-button" in task_names()
+    assert resolve_tasks("click-basics") == SUITES["click-basics"]
+    assert resolve_tasks("enter-text, click-basics") == (
+        "enter-text", "click-button", "click-link", "click-dialog", "click-tab", "focus-text")
+    with pytest.raises(ValueError, match=r"^unknown MiniWoB\+\+ task 'click-buton'\. Did you "
+                       r"mean 'click-button'.*\? Suites: click-basics\. Tasks \(1\d\d\): "
+                       r"ascending-numbers, bisect-angle, "):
+        resolve_tasks("click-buton")
+    with pytest.raises(ValueError, match=r"^task 'flight\.AA': FlightWoB tasks \(flight\.\*\) "
+                       r"are not supported yet"):
+        resolve_tasks("flight.AA")
+
+
+def test_missing_packages_are_one_line_naming_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "miniwob", None)  # as if not installed
+    with pytest.raises(BrowserUnavailableError, match=r"^MiniWoB-v0 needs the \w+ package: pip "
+                       r"install 'agentrl\[browser\]' \(miniwob==1\.1\.0, which brings "
+                       r"selenium\)$"):
+        gym.make(ENV_ID, tokenizer="tiny")
+
+
+def test_a_missing_browser_is_one_line_naming_the_apt_packages(monkeypatch, tmp_path):
+    pytest.importorskip("selenium")
+    pytest.importorskip("miniwob")
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither chromium nor chromedriver on it
+    monkeypatch.delenv("MINIWOB_CHROME_BINARY", raising=False)
+    monkeypatch.delenv("MINIWOB_CHROMEDRIVER", raising=False)
+    with pytest.raises(BrowserUnavailableError) as e:
+        gym.make(ENV_ID, tokenizer="tiny")
+    assert str(e.value) == ("MiniWoB-v0 needs Chromium and its WebDriver, but chromium and "
+                            "chromedriver are not installed: apt-get install -y chromium "
+                            "chromium-driver (or set MINIWOB_CHROME_BINARY and "
+                            "MINIWOB_CHROMEDRIVER)")
+
+
+# A real browser.
+
+
+def _ref_of(listing: str, pattern: str) -> int:
+    m = re.search(rf"^\[(-?\d+)\] {pattern}", listing, flags=re.MULTILINE)
+    assert m, f"no line matching {pattern!r} in:\n{listing}"
+    return int(m.group(1))
+
+
+def _quoted(task_line: str) -> str:
+    return re.search(r'"([^"]+)"', task_line).group(1)
+
+
+@pytest.fixture(scope="module")
+def dom_env():
+    if UNAVAILABLE:
+        pytest.skip(f"no browser here: {UNAVAILABLE}")
+    from environments.miniwob.env import MiniWoBEnv
+
+    env = MiniWoBEnv(task="click-basics", max_turns=4)
+    yield env
+    env.close()
+
+
+@browser
+def test_gym_make_builds_it_and_the_checker_passes(tiny_tokenizer):
+    env = gym.make(ENV_ID, tokenizer=tiny_tokenizer, task="click-button")
+    try:
+        check_env(env.unwrapped, skip_render_check=True)
+        assert "miniwob" in [a for e in agentrl.list_envs() if e.id == ENV_ID for a in e.aliases]
+    finally:
+        env.close()
+
+
+@browser
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_scripted_click_solves_click_button(dom_env, seed):
+    [msg], info = dom_env.reset(seed=seed, options={"task": "click-button"})
+    text = msg["content"]
+    assert info["task"] == "click-button" and text.startswith("You operate a web page")
+    label = _quoted(text.split("Task: ")[1].splitlines()[0])
+    ref = _ref_of(text, f'button "{re.escape(label)}"')
+    new, reward, terminated, truncated, info = dom_env.step(f"The button is [{ref}].\nclick({ref})")
+    assert (new, terminated, truncated) == ([], True, False)
+    assert reward == pytest.approx(0.9)  # MiniWoB's 1, scaled by the time left: 1 - 1 s / 10 s
+    assert info["correct"] and info["raw_reward"] == 1.0 and info["turns"] == 1
+
+
+@browser
+def test_typing_and_a_wrong_click(dom_env):
+    [msg], _ = dom_env.reset(seed=5, options={"task": "enter-text"})
+    text = msg["content"]
+    word = _quoted(text.split("Task: ")[1].splitlines()[0])
+    field, submit = _ref_of(text, "input_text"), _ref_of(text, 'button "Submit"')
+    [msg], reward, terminated, _, _ = dom_env.step(f'type({field}, "{word}")')
+    assert (reward, terminated) == (0.0, False)
+    assert f'[{field}] input_text value="{word}" (focused)' in msg["content"]
+    _, reward, terminated, _, info = dom_env.step(f"click({submit})")
+    assert terminated and reward == pytest.approx(0.8) and info["correct"]
+    # A wrong answer is MiniWoB's -1.
+    [msg], _ = dom_env.reset(seed=6, options={"task": "enter-text"})
+    _, submit = _ref_of(msg["content"], "input_text"), _ref_of(msg["content"], 'button "Submit"')
+    _, reward, terminated, _, info = dom_env.step(f"click({submit})")
+    assert terminated and reward == -1.0 and not info["correct"]
+
+
+@browser
+def test_malformed_and_impossible_actions_are_feedback_and_cost_a_turn(dom_env):
+    dom_env.reset(seed=3, options={"task": "click-button"})
+    for i, (answer, feedback) in enumerate([
+        ("I will press the button", "No action in your answer's last line"),
+        ("click(999)", ("click(999) failed: there is no element [999] on the page; use a ref "
+                        "from the latest listing.")),
+        ("click(5, 500)", ("click(5, 500) failed: (5, 500) is off the screen, which is 160 x "
+                           "210 pixels.")),
+    ], start=1):
+        [msg], reward, terminated, truncated, info = dom_env.step(answer)
+        assert (reward, terminated, truncated, info["turns"]) == (0.0, False, False, i)
+        assert msg["content"].startswith(feedback)
+        assert "\nTask: Click on the " in msg["content"] and "\nPage:\n[" in msg["content"]
+    # max_turns=4: the fourth turn is the last; the task did not end, so MiniWoB's -1.
+    new, reward, terminated, truncated, info = dom_env.step("done")
+    assert (new, reward, terminated, truncated) == ([], -1.0, False, True)
+    assert info["reason"] == "turn budget ran out" and not info["correct"]
+    with pytest.raises(RuntimeError, match="call reset"):
+        dom_env.step("click(1)")
+
+
+@browser
+def test_done_ends_the_episode_and_the_steps_clock_times_out(dom_env):
+    dom_env.reset(seed=4, options={"task": "focus-text"})
+    _, reward, terminated, truncated, info = dom_env.step("done()")
+    assert (reward, terminated, truncated) == (-1.0, True, False)
+    assert info["reason"] == "done() before the task ended"
+    from environments.miniwob.env import MiniWoBEnv
+
+    env = MiniWoBEnv(task="focus-text", step_s=4.0)  # 10 s: the third turn is at 12 s
+    try:
+        env.reset(seed=0)
+        assert env.step("hmm")[2:4] == (False, False)
+        assert env.step("hmm")[2:4] == (False, False)
+        _, reward, terminated, _, info = env.step("click(4)")
+        assert (reward, terminated, info["reason"]) == (-1.0, True, "timed out")
+    finally:
+        env.close()
+
+
+@browser
+def test_the_wall_clock_is_miniwobs_own():
+    from environments.miniwob.env import MiniWoBEnv
+
+    env = MiniWoBEnv(task="click-button", clock="wall", time_limit_s=0.3)
+    try:
+        [msg], info = env.reset(seed=0)
+        assert info["time_limit_s"] == 0.3
+        time.sleep(0.6)  # the policy thinks; the page's timer runs out
+        ref = _ref_of(msg["content"], "button")
+        _, reward, terminated, _, info = env.step(f"click({ref})")
+        assert (reward, terminated, info["reason"]) == (-1.0, True, "timed out")
+    finally:
+        env.close()
+
+
+@browser
+@pytest.mark.slow  # the first vision-language model's processor takes seconds to load
+def test_screenshots_reach_the_policy_through_the_bridge():
+    from agentrl.models import load_tokenizer
+
+    env = gym.make(ENV_ID, tokenizer=load_tokenizer("tiny-qwen2-vl"), task="click-button",
+                   observation="screenshot")
+    try:
+        obs, _ = env.reset(seed=0)
+        [image] = obs["images"]
+        assert image.shape == (210, 160, 3)
+        assert image in env.observation_space["images"].feature_space
+        assert image.std() > 10  # a page, not a blank
+        vision = env.unwrapped.bridge._vision
+        assert sum(t == vision.image_token_id for t in obs["tokens"]) == vision.encode(
+            image).num_tokens
+        chat = env.unwrapped.chat_env
+        text = chat._look(chat._episode)[0]  # what the page holds (dom is not shown here)
+        assert text.startswith("Task: Click on the")
+        tok = env.unwrapped.tokenizer
+        action = tok.encode("click(999)", add_special_tokens=False)
+        obs, _, terminated, _, _ = env.step(action)
+        assert not terminated and len(obs["images"]) == 1
+        assert "screenshot mode shows no refs" in tok.decode(obs["tokens"])
+    finally:
+        env.close()
+
+
+@browser
+def test_pickled_mid_episode_the_copy_replays_and_goes_on_alike():
+    from environments.miniwob.env import MiniWoBEnv
+
+    env = MiniWoBEnv(task="enter-text")
+    [msg], _ = env.reset(seed=11)
+    word = _quoted(msg["content"].split("Task: ")[1].splitlines()[0])
+    field, submit = _ref_of(msg["content"], "input_text"), _ref_of(msg["content"], 'button "Sub')
+    env.step(f'type({field}, "{word}")')
+    copy = pickle.loads(pickle.dumps(env))
+    try:
+        assert copy._browser is None
+        a, b = env.step("not yet"), copy.step("not yet")
+        assert a == b
+        a, b = env.step(f"click({submit})"), copy.step(f"click({submit})")
+        assert a == b and a[1] == pytest.approx(0.7) and a[4]["correct"]
+    finally:
+        env.close()
+        copy.close()
+
+
+@browser
+def test_close_leaves_no_browser_process():
+    from environments.miniwob.env import MiniWoBEnv
+
+    env = MiniWoBEnv(task="click-button")
+    env.reset(seed=0)
+    browser_ = env._browser
+    pids = browser_.processes()
+    names = {Path(f"/proc/{p}/comm").read_text().strip() for p in pids}
+    assert {"chromedriver", "chromium"} <= names, names
+    env.close()
+    assert _wait_dead(pids, within_s=3.0) == []
+    assert browser_.processes() == set() and not Path(browser_.profile).exists()
+    env.close()  # again: nothing to do
+
+
+@browser
+def test_a_killed_parent_leaves_no_browser_process(tmp_path):
+    """The reaper ends the browser's process group when the process that started it is
+    SIGKILLed (it never gets to close())."""
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent("""
+        import json, sys, time
+        from environments.miniwob.env import MiniWoBEnv
+        env = MiniWoBEnv(task="click-button")
+        env.reset(seed=0)
+        print(json.dumps(sorted(env._browser.processes())), flush=True)
+        time.sleep(60)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).parents[2])
+    try:
+        pids = json.loads(proc.stdout.readline())
+        assert len(pids) >= 3 and all(map(_alive, pids))
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert _wait_dead(pids, within_s=5.0) == []
+
+
+@browser
+def test_a_hung_page_fails_the_episode_with_the_reason_and_the_next_reset_recovers():
+    from environments.miniwob.env import MiniWoBEnv
+
+    env = MiniWoBEnv(task="click-button", timeout_s=3.0)
+    try:
+        env.reset(seed=0)
+        hung = env._browser
+        pids = hung.processes()
+        # The page hangs in the next click (a task's script looping forever).
+        hung.driver.execute_script("core.elementClick = function () { while (true) {} };")
+        t0 = time.monotonic()
+        new, reward, terminated, truncated, info = env.step("click(4)")
+        assert time.monotonic() - t0 < 8
+        assert (new, reward, terminated, truncated) == ([], 0.0, False, True)
+        assert info["discard"] and info["browser_failure"] == "timeout"
+        assert "did not answer within 3 s (hung)" in info["error"]
+        assert _wait_dead(pids, within_s=3.0) == []
+        [msg], _ = env.reset(seed=0)  # a new browser
+        assert env._browser is not hung and "Task: Click on the" in msg["content"]
+    finally:
+        env.close()
+
+
+@browser
+def test_a_page_that_does_not_load_is_an_error_with_the_reason(monkeypatch, tmp_path):
+    from environments.miniwob import page
+    from environments.miniwob.browser import BrowserError
+    from environments.miniwob.env import MiniWoBEnv
+
+    (tmp_path / "miniwob").mkdir()
+    (tmp_path / "miniwob" / "click-button.html").write_text("<html><body>no task</body></html>")
+    monkeypatch.setattr(page, "html_dir", lambda: tmp_path)
+    env = MiniWoBEnv(task="click-button", timeout_s=1.0)
+    try:
+        with pytest.raises(BrowserError, match=r"^the page of task 'click-button' \(file://.*\) "
+                                               r"did not load within 1 s$") as e:
+            env.reset(seed=0)
+        assert e.value.kind == "load" and env._browser is None
+    finally:
+        env.close()
