@@ -6,7 +6,8 @@ at stage 2, parameters at stage 3), reduces gradients, clips and steps at the ac
 boundary. Forward passes go through the engine (`module`): at stage 3 it gathers each layer's
 parameters and counts micro-steps, without which accumulated gradients overwrite each other. A
 torch AdamW is passed in so nothing is JIT-compiled beyond DeepSpeed's one communication op
-(cached in TORCH_EXTENSIONS_DIR after the first run, ~40 s on a 2-core CPU).
+(cached in TORCH_EXTENSIONS_DIR after the first run: ~98 CPU-seconds of g++, about 2 min on a
+busy 2-core CPU; benchmarks/results/deepspeed_compile.md).
 
 `state_dict` holds the full (gathered) module state plus every rank's optimizer partition, so
 a resume needs the same world size, as DeepSpeed's own `load_state_dict` does. A frozen model

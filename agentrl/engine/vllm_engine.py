@@ -78,7 +78,8 @@ if TYPE_CHECKING:
 
 CPU_KV_CACHE_BYTES = 1 << 30
 # On a CPU (measured here, SmolLM2-135M, 2 cores, AVX2): vLLM would run a float32 checkpoint
-# in bfloat16, 3.7x slower without AVX512-BF16/AMX (20 vs 74 tok/s) and unlike the float32
+# in bfloat16, 5.7-6.6x slower without AVX512-BF16/AMX (11-13 vs 73-75 tok/s,
+# benchmarks/results/generation.md) and unlike the float32
 # trainer; torch.compile adds ~80 s to every start for ~10% faster decoding. Chunked prefill is
 # off: vLLM rewinds a seeded request's generator when it drops the token sampled after a
 # partial prefill (`gen.set_offset(...)`, gpu_model_runner.py), which a CPU generator cannot do
