@@ -120,8 +120,7 @@ class MiniWoBEnv(ChatEnv):
                              f"timeout_s={timeout_s}")
         if time_limit_s is not None and not time_limit_s > 0:
             raise ValueError(f"time_limit_s={time_limit_s}: expected None or > 0")
-        find_browser()  # one line naming what to install, before any model loads
-        self.tasks = resolve_tasks(task)
+        self.tasks = self.preflight(task=task)
         self.observation, self.split, self.clock = observation, split, clock
         self.max_turns, self.step_s, self.time_limit_s = max_turns, step_s, time_limit_s
         self.timeout_s = timeout_s
@@ -129,6 +128,14 @@ class MiniWoBEnv(ChatEnv):
         self._browser: Browser | None = None
         self._page: TaskPage | None = None
         self._episode: _Episode | None = None
+
+    @staticmethod
+    def preflight(*, task: str = "click-basics", **_: object) -> tuple[str, ...]:
+        """The checks of building the env that start nothing, for a command to run before any
+        model loads: the packages, Chromium and its driver (`BrowserUnavailableError`, one
+        line naming what to install), the task names (a did-you-mean). The tasks named."""
+        find_browser()
+        return resolve_tasks(task)
 
     # Episodes
 

@@ -158,7 +158,11 @@ def test_a_missing_browser_is_one_line_naming_the_apt_packages(monkeypatch, tmp_
     monkeypatch.setenv("PATH", str(tmp_path))  # neither chromium nor chromedriver on it
     monkeypatch.delenv("MINIWOB_CHROME_BINARY", raising=False)
     monkeypatch.delenv("MINIWOB_CHROMEDRIVER", raising=False)
+    from environments.miniwob.env import MiniWoBEnv
+
     with pytest.raises(BrowserUnavailableError) as e:
+        MiniWoBEnv.preflight(task="click-button")  # what `agentrl train` can run first
+    with pytest.raises(BrowserUnavailableError, match=f"^{re.escape(str(e.value))}$"):
         gym.make(ENV_ID, tokenizer="tiny")
     assert str(e.value) == ("MiniWoB-v0 needs Chromium and its WebDriver, but chromium and "
                             "chromedriver are not installed: apt-get install -y chromium "
