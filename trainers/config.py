@@ -665,12 +665,21 @@ def check_model(cfg: TrainConfig) -> None:
     from agentrl.envs import resolve_env_id
     from agentrl.envs.registry import env_factory
 
-    if getattr(env_factory(resolve_env_id(cfg.env)), "shows_images", False) and (
-        sees_images(model) is False
-    ):
+    factory = env_factory(resolve_env_id(cfg.env))
+    if getattr(factory, "shows_images", False) and sees_images(model) is False:
         raise ValueError(f"--env {cfg.env} shows images, but --actor.model {model} is a "
                          f"text-only model: use --actor.model embedded-vlm (the built-in "
                          f"vision-language model) or a vision-language model's directory")
+    # An env class may offer `preflight(**env_kwargs)`: the checks of building it that start
+    # nothing (MiniWoB: the browser and its driver installed, the task names), run here so that
+    # a missing package is refused before a model loads rather than at the first rollout.
+    preflight = getattr(factory, "preflight", None)
+    if callable(preflight):
+        for kwargs in (cfg.env_kwargs, {**cfg.env_kwargs, **cfg.eval_env_kwargs}):
+            try:
+                preflight(**kwargs)
+            except (RuntimeError, ValueError) as e:
+                raise ValueError(f"--env {cfg.env}: {e}") from None
 
 
 def config_from_dict(d: dict, base: TrainConfig | None = None) -> TrainConfig:

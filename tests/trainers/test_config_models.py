@@ -73,3 +73,28 @@ def test_a_trainer_built_in_python_gets_the_same_refusal_before_ray(tmp_path, mo
     with pytest.raises(ValueError, match="--actor.model smollm2-135m-instruct"):
         Trainer(cfg).run()
     assert not (tmp_path / "run").exists()
+
+
+def test_an_env_that_cannot_be_built_here_is_refused_before_ray(nothing_starts, tmp_path,
+                                                                  capsys):
+    """An env class's `preflight(**env_kwargs)` (MiniWoB: browser installed, task names) runs
+    in the checks: its error is the command's one line, before Ray or a model starts."""
+    import agentrl
+
+    class NeedsABrowser(agentrl.ChatEnv):
+        @staticmethod
+        def preflight(**kwargs):
+            raise RuntimeError(f"no browser for {kwargs}: apt-get install -y chromium")
+
+        def reset(self, *, seed=None, options=None):
+            return [{"role": "user", "content": "hi"}]
+
+        def step(self, text):
+            return [], 0.0, True, False, {}
+
+    agentrl.register("test/NeedsABrowser-v0", NeedsABrowser)
+    argv = ["--env", "test/NeedsABrowser-v0", "--actor.model", "tiny"]
+    assert main([*argv, "--run_dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "--env test/NeedsABrowser-v0: no browser for {}: apt-get install -y chromium" in err
