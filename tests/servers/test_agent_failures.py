@@ -20,24 +20,12 @@ from agentrl.engine.fakes import FakeEngine
 from servers.agent_processes import CommandAgent, command_argv
 from servers.agents import run_agents
 from servers.app import create_app
+from tests.processes import alive, still_alive
 
 SCRIPT = Path(__file__).with_name("agent_cmd_fixture.py")
 CMD = f"python3 -S {SCRIPT}"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-def _wait_dead(pids: list[int], within_s: float) -> list[int]:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline and any(map(_alive, pids)):
-        time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
 
 
 def _run(tok, agent, tasks, **kw):
@@ -76,7 +64,7 @@ def test_failed_and_silent_agents_are_ended_and_the_others_go_on(tok, tmp_path):
     assert "sent no request for 1 s" in silent.info["error"]
     # Its process group (the agent and the child it started) was killed.
     pids = [int(p) for p in pid_file.read_text().split()]
-    assert len(pids) == 2 and _wait_dead(pids, 5) == []
+    assert len(pids) == 2 and still_alive(pids, 5) == []
 
 
 def test_a_function_agent_that_raises_or_hangs_is_ended(tok):
@@ -151,10 +139,10 @@ def test_no_command_agent_outlives_a_killed_trainer(tmp_path):
             time.sleep(0.05)
         assert pid_file.exists(), "the agent did not start"
         pids = [int(p) for p in pid_file.read_text().split()]
-        assert all(map(_alive, pids))
+        assert all(map(alive, pids))
         os.kill(driver.pid, signal.SIGKILL)
         driver.wait()
-        assert _wait_dead(pids, 10) == []
+        assert still_alive(pids, 10) == []
     finally:
         driver.kill()
         driver.wait()
