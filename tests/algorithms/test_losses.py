@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -36,20 +37,25 @@ def _reference_ppo(
     """Token loop: loss per token and the clip ratio over action tokens."""
     loss = [[0.0] * logp.shape[1] for _ in range(logp.shape[0])]
     clipped = count = 0
+    for b, t, ratio in _action_ratios(logp, old, mask):
+        a = float(adv[b, t])
+        s1, s2 = ratio * a, min(max(ratio, 1 - low), 1 + high) * a
+        value = min(s1, s2)
+        if dual is not None and a < 0:
+            value = max(value, dual * a)
+        loss[b][t] = -value
+        clipped += s2 < s1
+        count += 1
+    return loss, clipped / count
+
+
+def _action_ratios(logp: Tensor, old: Tensor, mask: Tensor) -> Iterator[tuple[int, int, float]]:
+    """(row, position, importance ratio clamped as the losses clamp it) of each action token,
+    one by one: what the reference loops below compute from."""
     for b in range(logp.shape[0]):
         for t in range(logp.shape[1]):
-            if not mask[b, t]:
-                continue
-            ratio = math.exp(min(max(float(logp[b, t] - old[b, t]), -20.0), 20.0))
-            a = float(adv[b, t])
-            s1, s2 = ratio * a, min(max(ratio, 1 - low), 1 + high) * a
-            value = min(s1, s2)
-            if dual is not None and a < 0:
-                value = max(value, dual * a)
-            loss[b][t] = -value
-            clipped += s2 < s1
-            count += 1
-    return loss, clipped / count
+            if mask[b, t]:
+                yield b, t, math.exp(min(max(float(logp[b, t] - old[b, t]), -20.0), 20.0))
 
 
 def _random_policy_inputs(seed: int) -> dict[str, Tensor]:
@@ -153,16 +159,12 @@ def _reference_cispo(
     loss = [[0.0] * logp.shape[1] for _ in range(logp.shape[0])]
     dloss = [[0.0] * logp.shape[1] for _ in range(logp.shape[0])]
     clipped = count = 0
-    for b in range(logp.shape[0]):
-        for t in range(logp.shape[1]):
-            if not mask[b, t]:
-                continue
-            ratio = math.exp(min(max(float(logp[b, t] - old[b, t]), -20.0), 20.0))
-            weight = min(max(ratio, 1 - low), 1 + high)
-            loss[b][t] = -weight * float(adv[b, t]) * float(logp[b, t])
-            dloss[b][t] = -weight * float(adv[b, t])
-            clipped += weight != ratio
-            count += 1
+    for b, t, ratio in _action_ratios(logp, old, mask):
+        weight = min(max(ratio, 1 - low), 1 + high)
+        loss[b][t] = -weight * float(adv[b, t]) * float(logp[b, t])
+        dloss[b][t] = -weight * float(adv[b, t])
+        clipped += weight != ratio
+        count += 1
     return loss, dloss, clipped / count
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.trainers._grads import catch_gradient
 from trainers.controller import Trainer
 
 
@@ -50,14 +51,7 @@ def test_on_policy_cispo_takes_ppos_step_with_the_mismatch_correction(
         cfg = make_cfg(micro_batch_size=8, algo={"policy_loss": loss,
                                                   "mismatch_correction": correction})
         worker = PolicyWorker(cfg, with_engine=False)
-        step = worker.policy.optimizer.step
-
-        def capture(*args, _loss=loss, _worker=worker, _step=step, **kwargs):
-            grads[_loss] = torch.cat([p.grad.flatten() for p in _worker.model.parameters()
-                                      if p.grad is not None])
-            return _step(*args, **kwargs)
-
-        worker.policy.optimizer.step = capture
+        catch_gradient(worker, grads, loss)
         losses[loss] = worker.train(trajs, 0.0)["loss"]
     assert grads["ppo"].norm() > 0 and losses["cispo"] != pytest.approx(losses["ppo"])
     torch.testing.assert_close(grads["cispo"], grads["ppo"], rtol=1e-5, atol=1e-8)

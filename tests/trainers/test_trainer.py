@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.trainers._grads import catch_gradient
 from trainers.checkpoint import latest_checkpoint, load_checkpoint
 from trainers.controller import Trainer
 from trainers.workers import TrainingError
@@ -312,14 +313,7 @@ def test_bf16_mixed_precision_computes_in_bf16_over_float32_weights(make_cfg, re
     # on-policy step the ratio is exactly 1, so the loss is -mean(advantage) in any precision.)
     grads = {}
     for name, worker in workers.items():
-        step = worker.policy.optimizer.step
-
-        def snapshot(*args, _name=name, _worker=worker, _step=step, **kwargs):
-            grads[_name] = torch.cat([p.grad.flatten() for p in _worker.model.parameters()
-                                      if p.grad is not None])
-            return _step(*args, **kwargs)
-
-        worker.policy.optimizer.step = snapshot
+        catch_gradient(worker, grads, name)
         worker.train(trajs, 0.0)
     # bf16 has 8 significant bits (2^-8 = 0.004): the backward ran in bf16 (the gradient is not
     # fp32's) and computed the same gradient to that precision (0.0047 measured).
