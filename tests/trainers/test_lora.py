@@ -5,7 +5,6 @@ this CPU with bitsandbytes' 4-bit kernels, and refuses clearly where they cannot
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from agentrl.models.lora import (
     trainable_parameters,
     with_lora,
 )
+from tests.trainers.test_sft import _chats
 
 
 def _adapted(seed: int = 0):
@@ -137,17 +137,6 @@ def test_a_qlora_checkpoint_loads_back_onto_its_own_base_only():
     other[Q_PROJ + ".weight"] = torch.zeros_like(state[Q_PROJ + ".weight"])
     with pytest.raises(ValueError, match="4-bit base in this checkpoint is not the model's"):
         model.load_state_dict(other)
-
-
-def _chats(path, n=120):
-    rng = random.Random(0)
-    words = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "rocket"]
-    with path.open("w") as f:
-        for _ in range(n):
-            w = " ".join(rng.choice(words) for _ in range(3))
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"Repeat: {w}"},
-                                             {"role": "assistant", "content": w}]}) + "\n")
-    return path
 
 
 @pytest.mark.slow
