@@ -8,6 +8,7 @@ file can be inspected, replayed or trained on (`agentrl.trajectory_files.load_js
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass
@@ -82,8 +83,8 @@ def run(args: RolloutArgs) -> int:
     except ValueError as e:
         print(f"agentrl rollout: {e}", file=sys.stderr)
         return 2
-    start = time.perf_counter()
-    try:
+    with contextlib.closing(engine):
+        start = time.perf_counter()
         trajs = collect_sync(
             engine,
             lambda: gym.make(env_id, tokenizer=tokenizer),
@@ -96,10 +97,6 @@ def run(args: RolloutArgs) -> int:
             max_concurrency=max(args.max_batch_size, 1),
             progress=args.progress,
         )
-    finally:
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()
     elapsed = time.perf_counter() - start
     n = save_jsonl(trajs, args.out)
     tokens = sum(t.num_policy_tokens for t in trajs)

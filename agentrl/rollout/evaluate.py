@@ -19,6 +19,7 @@ separately; a problem left with no samples is dropped.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -368,7 +369,7 @@ def run(args: EvalArgs) -> int:
         print(f"agentrl eval: {e}", file=sys.stderr)
         return 2
     sampling = args.sampling()
-    try:
+    with contextlib.closing(engine):
         result = evaluate(
             engine, lambda: gym.make(env_id, tokenizer=tokenizer, **kwargs),
             num_problems=args.num_problems, k=args.k, sampling=sampling,
@@ -376,10 +377,6 @@ def run(args: EvalArgs) -> int:
             max_episode_tokens=args.max_episode_tokens,
             max_concurrency=args.max_batch_size, progress=args.progress,
         )
-    finally:
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()
     print(f"{env_id} ({args.split}) with {args.model}, temperature {args.temperature}: "
           f"{result.summary()}")
     if args.out is not None:
