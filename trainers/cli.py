@@ -5,13 +5,15 @@
     agentrl train --env digits --algo.estimator rloo --actor.lr 1e-3 --steps 50
     agentrl train --config runs/x/config.json --resume auto
     agentrl train --dataset data.jsonl --reward_fn rewards.py:score
+    agentrl train --preset kv-agent --agent examples/agents/openai_agents_kv.py:agent
 
 Order of precedence: flags > --config file > the preset (--preset NAME, else the env's own)
 > defaults. Presets: math-tir (easy+medium, evaluated on medium), math-tir-easy, screen-click,
-digits. A preset's learning rate is its model's: --actor.model takes the rate the preset
-measured for that model, and a model it was not measured on needs --actor.lr. Every check runs
-before Ray starts or a model is loaded (a model its engine or env cannot use included); the
-resolved config is saved as run_dir/config.json.
+digits, kv-agent (a task for the agent that --agent names). A preset's learning rate is its
+model's: --actor.model takes the rate the preset measured for that model, and a model it was
+not measured on needs --actor.lr. Every check runs before Ray starts or a model is loaded (a
+model its engine or env cannot use included); the resolved config is saved as
+run_dir/config.json.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from agentrl.models.embedded import EMBEDDED_NAME
 from agentrl.models.named import canonical_model_name
+from environments.kv_lookup import task_file
 from trainers.config import ActorConfig, AlgoConfig, RolloutConfig, TrainConfig
 
 MATH_TIR_LRS = {EMBEDDED_NAME: 2e-5}
@@ -21,6 +22,9 @@ at 25 steps reached 0.422 and 0.281 in 17-18 min)."""
 MATH_TIR_EASY_LRS = {EMBEDDED_NAME: 1e-5}
 """math-tir-easy's learning rate per model (benchmarks/results/math_tir_default_run.md)."""
 SCREEN_CLICK_LRS = {"embedded-vlm": 2e-5}
+KV_AGENT_LRS = {EMBEDDED_NAME: 2e-5}
+"""kv-agent's learning rate per model: math-tir's, not yet tuned on this task
+(benchmarks/results/agent_headline.md)."""
 DIGITS_LRS = {"tiny": 3e-3, EMBEDDED_NAME: 3e-5}
 """digits' learning rate per model. The tiny model's 3e-3 takes the embedded model's entropy
 from 3.3 to 0.8 in one step and to 0 in two (reward 0 after); 3e-5 lowers it step by step while
@@ -93,6 +97,31 @@ def screen_click() -> TrainConfig:
     )
 
 
+def kv_agent() -> TrainConfig:
+    """The agent headline (#32 item 1): GRPO on an agent you bring, written with any framework
+    (`--agent`, e.g. examples/agents/openai_agents_kv.py, an OpenAI Agents SDK agent), on
+    key-value lookups whose answers only the agent's tools can read (environments/kv_lookup:
+    a random store per task), with the embedded SmolLM2-135M as its model. Evaluated before
+    and after on 64 held-out tasks whose keys training never shows. Sized like math-tir (4
+    tasks x 4 episodes a step, 20 steps); whether it fits 15 minutes on a 2-core CPU is not
+    measured yet (benchmarks/results/agent_headline.md). Without --agent (or --agent_cmd) the
+    run is refused: the preset is the task, not the agent."""
+    return TrainConfig(
+        agent_tasks=task_file("train"),
+        agent_eval_tasks=task_file("eval"),
+        agent_reward="environments.kv_lookup:reward",
+        actor=ActorConfig(lr=KV_AGENT_LRS[EMBEDDED_NAME]),
+        algo=AlgoConfig(estimator="group_norm"),
+        # max_new_tokens caps a call that sets no max_tokens (the example agents set 48).
+        rollout=RolloutConfig(n_samples_per_prompt=4, prompts_per_step=4, max_new_tokens=48),
+        steps=20,
+        micro_batch_size=8,
+        eval_problems=64,
+        eval_samples=1,
+        run_dir="runs/kv-agent",
+    )
+
+
 def digits() -> TrainConfig:
     """Tiny model, tiny task: reward rises within a few dozen steps on a CPU. With
     `--actor.model smollm2-135m-instruct` the rate measured for it (`DIGITS_LRS`)."""
@@ -115,6 +144,7 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
     "agentrl/ScreenClick-v0": screen_click,
     "digits": digits,
     "agentrl/Digits-v0": digits,
+    "kv-agent": kv_agent,
 }
 
 
@@ -122,6 +152,7 @@ LEARNING_RATES: dict[Callable[[], TrainConfig], dict[str, float]] = {
     math_tir: MATH_TIR_LRS,
     math_tir_easy: MATH_TIR_EASY_LRS,
     screen_click: SCREEN_CLICK_LRS,
+    kv_agent: KV_AGENT_LRS,
     digits: DIGITS_LRS,
 }
 """Each preset's learning rate for each model it was measured on (the preset's own model
