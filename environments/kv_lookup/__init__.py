@@ -52,6 +52,17 @@ QUESTIONS = (
 SPLITS = {"train": (256, 0, TRAIN_KEYS), "eval": (128, 1, EVAL_KEYS)}
 """split -> (number of tasks, generator seed, the key words it draws from)."""
 
+AGENT_INSTRUCTIONS = (
+    "You answer questions about a private key-value store. You cannot know its values: call "
+    "the lookup tool with the key, then answer with the value it returns, in one short "
+    "sentence: The value of KEY is VALUE."
+)
+"""What an agent for this task tells the model (both example agents in examples/agents/)."""
+AGENT_MAX_TURNS = 4
+"""Model calls per episode: enough to list the keys, look one up and answer."""
+AGENT_MAX_TOKENS = 48
+"""Tokens per model call: a tool call or a short answer."""
+
 
 def make_tasks(split: str) -> list[dict[str, Any]]:
     """The tasks of `split` ("train" or "eval"), the same on every machine."""

@@ -34,18 +34,10 @@ from agents import (
 )
 
 from agentrl.http_client import async_http_client
+from environments.kv_lookup import AGENT_INSTRUCTIONS as INSTRUCTIONS
+from environments.kv_lookup import AGENT_MAX_TOKENS as MAX_TOKENS
+from environments.kv_lookup import AGENT_MAX_TURNS as MAX_TURNS
 from environments.kv_lookup import list_keys, lookup
-
-MAX_TURNS = 4
-"""Model calls per episode (the SDK's max_turns): enough to list the keys, look one up and
-answer."""
-MAX_TOKENS = 48
-"""Tokens per model call (max_output_tokens): a tool call or a short answer."""
-INSTRUCTIONS = (
-    "You answer questions about a private key-value store. You cannot know its values: call "
-    "the lookup tool with the key, then answer with the value it returns, in one short "
-    "sentence: The value of KEY is VALUE."
-)
 
 logger = logging.getLogger(__name__)
 
