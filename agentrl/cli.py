@@ -8,6 +8,7 @@ Flags are spelled with underscores in every subcommand (`--max_new_tokens`,
 
 from __future__ import annotations
 
+import os
 import sys
 
 COMMAND_ENTRY_POINT_GROUP = "agentrl.commands"
@@ -71,8 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     # Modules named on the command line (`--env echo_env:me/Echo-v0`, `--agent my_agent:run`)
     # import from the current directory, as with `python -m`; last, so they shadow nothing
     # installed. Ray's workers get the driver's directory on their path too.
-    import os
-
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     from agentrl.plugins import load_callable

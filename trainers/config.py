@@ -675,7 +675,8 @@ def check_model(cfg: TrainConfig) -> None:
     # a missing package is refused before a model loads rather than at the first rollout.
     preflight = getattr(factory, "preflight", None)
     if callable(preflight):
-        for kwargs in (cfg.env_kwargs, {**cfg.env_kwargs, **cfg.eval_env_kwargs}):
+        evaluated = {**cfg.env_kwargs, **cfg.eval_env_kwargs}
+        for kwargs in (cfg.env_kwargs, evaluated) if evaluated != cfg.env_kwargs else (evaluated,):
             try:
                 preflight(**kwargs)
             except (RuntimeError, ValueError) as e:

@@ -3,9 +3,8 @@
 A run trained with `--actor.lora_rank` (train, sft, dpo, rm) saves its adapters as
 RUN_DIR/adapter (peft's format) and the merged model as RUN_DIR/hf at the end
 (`agentrl.models.lora.save_trained`, which every trainer ends with, on one rank or many). This
-command
-merges the adapters of RUN_DIR/adapter, or of another adapter directory (`--adapter`), into
-the base model the run's config.json names and writes a directory that loads without peft. A
+command merges the adapters of RUN_DIR/adapter, or of another adapter directory (`--adapter`),
+into the base model the run's config.json names and writes a directory that loads without peft. A
 QLoRA run's adapters merge into its base as the run held it, in 4 bits (dequantized): the
 model it trained, as its own RUN_DIR/hf is.
 """

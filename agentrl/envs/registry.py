@@ -23,7 +23,9 @@ import importlib
 import importlib.metadata
 import inspect
 import logging
+import os
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -134,7 +136,7 @@ def make_env(
 
 def env_factory(id: str) -> Callable[..., Any] | None:
     """The class or factory behind an id registered through agentrl (None for others)."""
-    target = (gym.spec(id).kwargs or {}).get("target")
+    target = _target(id)
     if target is None:
         return None
     return load_attr(target, "Env") if isinstance(target, str) else target
@@ -209,9 +211,6 @@ def _env_from_user_code(name: str) -> str:
 def _find_file(path: str) -> str:
     """`path` as given, else under a directory of sys.path (a Ray worker's has the driver's
     working directory, where the user named it)."""
-    import os
-    import sys
-
     if os.path.isabs(path) or os.path.isfile(path):
         return path
     for d in sys.path:
@@ -228,12 +227,12 @@ def _ids_of(module: Any) -> list[str]:
 
 
 def _target(env_id: str) -> Any:
+    """The entry point registered for `env_id` as given (a "module:attr" string is not
+    imported)."""
     return (gym.spec(env_id).kwargs or {}).get("target")
 
 
 def _defined_in(obj: Any, module: Any) -> bool:
-    import sys
-
     home = sys.modules.get(getattr(obj, "__module__", None) or "")
     return home is module or (home is not None and getattr(home, "__file__", None) is not None
                               and home.__file__ == getattr(module, "__file__", None))
