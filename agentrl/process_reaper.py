@@ -137,6 +137,24 @@ def group_reaper() -> GroupReaper:
         return r
 
 
+def stop_group_reaper(timeout_s: float = 10.0) -> None:
+    """End this process's reaper of process groups now, as if the command had exited: it ends
+    the groups still registered and exits. The next `group_reaper()` starts a fresh one."""
+    global _group_reaper
+    with _group_reaper_lock:
+        r, _group_reaper = _group_reaper, None
+    if r is None or r.owner != os.getpid():
+        return
+    assert r.proc.stdin is not None
+    with r.lock, contextlib.suppress(OSError):
+        r.proc.stdin.close()
+    try:
+        r.proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        r.proc.kill()
+        r.proc.wait()
+
+
 def kill_group(pgid: int) -> None:
     """SIGKILL a process group; nothing if it is gone already."""
     with contextlib.suppress(OSError):
