@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_description
 
+from agentrl.rollout.evaluate import format_interval
 from trainers.presets import math_tir
 
 AGENTRL = str(Path(sys.executable).with_name("agentrl"))
@@ -75,8 +76,10 @@ def run(name: str, out_dir: Path) -> dict:
         "lever": name,
         "command": " ".join(shlex.quote(c) for c in ["agentrl", *cmd[1:]]),
         "wall_s": round(wall, 1),
-        "before": round(before["pass@1"], 3), "before_ci95": round(before["pass@1_ci95"], 3),
-        "after": round(after["pass@1"], 3), "after_ci95": round(after["pass@1_ci95"], 3),
+        "before": round(before["pass@1"], 3),
+        "before_95": [round(before["pass@1_low"], 3), round(before["pass@1_high"], 3)],
+        "after": round(after["pass@1"], 3),
+        "after_95": [round(after["pass@1_low"], 3), round(after["pass@1_high"], 3)],
         "change": round(change["pass@1"], 3), "change_ci95": round(change["ci95"], 3),
         "samples": after["num_samples"],
         "per_minute": round(after["pass@1"] / (wall / 60), 4),
@@ -103,8 +106,9 @@ def table(rows: list[dict]) -> str:
         ratio = f"{r['per_minute'] / base['per_minute']:.2f}x" if base and base["per_minute"] \
             else "-"
         out.append(
-            f"| {r['lever']} | {r['wall_s'] / 60:.1f} min | {r['before']:.3f} +- "
-            f"{r['before_ci95']:.3f} -> **{r['after']:.3f}** +- {r['after_ci95']:.3f} | "
+            f"| {r['lever']} | {r['wall_s'] / 60:.1f} min | {r['before']:.3f} "
+            f"{format_interval(r['before_95'])} -> **{r['after']:.3f}** "
+            f"{format_interval(r['after_95'])} | "
             f"{r['change']:+.3f} +- {r['change_ci95']:.3f} | {r['per_minute']:.4f} | {ratio} | "
             f"{r['mean_step_s']} s x {r['steps']} |")
     return "\n".join(out)

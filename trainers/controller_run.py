@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from agentrl.rollout.evaluate import format_interval
 from trainers.config import TrainConfig
 
 
@@ -58,10 +59,14 @@ def eval_report(summary: dict[str, Any]) -> str:
         f"held-out pass@1 on {setting['env']} ({what + '; ' if what else ''}"
         f"{after['num_problems']} problems x "
         f"{setting['samples_per_problem']} samples = {after['num_samples']}, T="
-        f"{setting['temperature']}): before {before['pass@1']:.3f} +- "
-        f"{before['pass@1_ci95']:.3f}, after {after['pass@1']:.3f} +- {after['pass@1_ci95']:.3f}"
-        f", change {change['pass@1']:+.3f} +- {change['ci95']:.3f} (95% intervals)"
+        f"{setting['temperature']}): before {before['pass@1']:.3f} {_bounds(before)}, after "
+        f"{after['pass@1']:.3f} {_bounds(after)}, change {change['pass@1']:+.3f} +- "
+        f"{change['ci95']:.3f} (95% intervals: Wilson's for pass@1, paired for the change)"
     )
+
+
+def _bounds(result: dict[str, Any]) -> str:
+    return format_interval((result["pass@1_low"], result["pass@1_high"]))
 
 
 def _stop_on_sigterm(trainer: Any) -> Callable[[], None]:

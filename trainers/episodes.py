@@ -213,7 +213,8 @@ def evaluate_engine(engine: Any, cfg: TrainConfig, tokenizer: Any) -> dict[str, 
 def _eval_record(cfg: TrainConfig, result: Any) -> dict[str, Any]:
     return {
         "pass@1": result.pass_at_1,
-        "pass@1_ci95": result.pass_at_1_ci95,
+        "pass@1_low": result.pass_at_1_interval[0],
+        "pass@1_high": result.pass_at_1_interval[1],
         f"pass@{cfg.eval_samples}": result.pass_at_k,
         "mean_return": result.mean_return,
         "num_problems": result.num_problems,

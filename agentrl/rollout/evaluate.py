@@ -98,10 +98,10 @@ class EvalResult:
     """The problem index (`info["prompt_index"]`) of each `per_problem` entry."""
 
     @property
-    def pass_at_1_ci95(self) -> float:
-        """Half-width of a 95% interval for pass@1 (normal approximation over problems: the
-        samples of one problem are not independent, so problems are the unit)."""
-        return ci95([c / n for n, c in self.per_problem])
+    def pass_at_1_interval(self) -> tuple[float, float]:
+        """95% interval for pass@1: Wilson's, over problems (the samples of one problem are not
+        independent, so problems are the unit). See `wilson_interval`."""
+        return wilson_interval(self.pass_at_1, len(self.per_problem))
 
     def rates(self) -> dict[int, float]:
         """Solve rate (pass@1) of each problem, by problem index."""
@@ -114,15 +114,42 @@ class EvalResult:
         if self.num_env_errors:
             extra += f", {self.num_env_errors} env errors"
         return (
-            f"pass@1 {self.pass_at_1:.4f} +- {self.pass_at_1_ci95:.4f} (95%)  pass@{self.k} "
+            f"pass@1 {self.pass_at_1:.4f} {format_interval(self.pass_at_1_interval, 4)} (95%)  "
+            f"pass@{self.k} "
             f"{self.pass_at_k:.4f}  mean return {self.mean_return:.4f}  on "
             f"{self.num_problems} problems ({self.num_samples} samples{extra})"
         )
 
 
+def wilson_interval(rate: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson's score interval (z = 1.96: 95%) for a success rate measured on `n` units:
+
+        (p + z^2/2n -+ z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n)
+
+    Unlike the normal approximation p -+ z sqrt(p(1-p)/n) it stays inside [0, 1] and does not
+    shrink to a point at p = 0 or 1 (0 of 64 gives [0, 0.057], not "0 +- 0"). With several
+    samples per problem, `rate` is the mean of the problems' rates and `n` the problems: a mean
+    of n values in [0, 1] varies at most as much as a proportion of n, so the interval is, if
+    anything, wide. (0, 1) for n = 0."""
+    if n <= 0:
+        return 0.0, 1.0
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"wilson_interval: rate={rate} is not in [0, 1]")
+    z2 = z * z
+    centre = (rate + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * (rate * (1 - rate) / n + z2 / (4 * n * n)) ** 0.5 / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def format_interval(bounds: tuple[float, float], digits: int = 3) -> str:
+    """`[low, high]`, as evaluation lines print an interval."""
+    return f"[{bounds[0]:.{digits}f}, {bounds[1]:.{digits}f}]"
+
+
 def ci95(values: Sequence[float]) -> float:
     """Half-width of the normal-approximation 95% interval of the mean of `values` (the
-    problems' own rates, or their before/after differences); 0 for fewer than two."""
+    problems' before/after differences of `paired_change`, which may be negative: no rate for
+    Wilson's interval); 0 for fewer than two."""
     n = len(values)
     if n < 2:
         return 0.0

@@ -66,20 +66,42 @@ def test_score_rules():
 def test_intervals_count_problems_not_samples():
     """#20 item 2: the 95% interval of pass@1 is over problems (their samples are not
     independent), and the before/after change is paired on the same problems."""
-    from agentrl.rollout.evaluate import ci95, paired_change
+    from agentrl.rollout.evaluate import ci95, paired_change, wilson_interval
 
-    rates = [1.0, 0.0, 0.5, 0.5]
-    mean, sd = 0.5, (sum((r - 0.5) ** 2 for r in rates) / 3) ** 0.5
-    assert ci95(rates) == pytest.approx(1.96 * sd / 2) and ci95([0.7]) == 0.0
+    diffs = [1.0, 0.0, 0.5, 0.5]
+    sd = (sum((r - 0.5) ** 2 for r in diffs) / 3) ** 0.5
+    assert ci95(diffs) == pytest.approx(1.96 * sd / 2) and ci95([0.7]) == 0.0
     trajs = [_traj(i, 1.0, correct=c) for i, c in ((0, True), (0, True), (1, False), (1, False),
                                                   (2, True), (2, False), (3, False), (3, True))]
-    assert score(trajs, k=1).pass_at_1_ci95 == pytest.approx(ci95(rates))
-    assert mean == score(trajs, k=1).pass_at_1
+    result = score(trajs, k=1)
+    assert result.pass_at_1 == 0.5
+    # 4 problems, not 8 samples: the interval is as wide as 2 of 4, not 4 of 8.
+    assert result.pass_at_1_interval == wilson_interval(0.5, 4) != wilson_interval(0.5, 8)
     # Every problem gains exactly 0.5: the paired interval is 0, however spread the rates are.
     before, after = {0: 0.0, 1: 0.5, 2: 0.0, 3: 0.5}, {0: 0.5, 1: 1.0, 2: 0.5, 3: 1.0, 9: 1.0}
     assert paired_change(before, after) == (0.5, 0.0, 4)
     change, half, n = paired_change({0: 0.0, 1: 0.0}, {0: 1.0, 1: 0.0})
     assert (change, n) == (0.5, 2) and half == pytest.approx(1.96 * (0.5 ** 0.5) / 2 ** 0.5)
+
+
+def test_wilson_interval_matches_its_formula_and_never_collapses_at_the_ends():
+    """#35 item 4: held-out intervals are Wilson's, so 0 of 64 does not print "0 +- 0"."""
+    from agentrl.rollout.evaluate import format_interval, wilson_interval
+
+    low, high = wilson_interval(0.0, 64)
+    assert low == 0.0 and high == pytest.approx(1.96**2 / (64 + 1.96**2))  # 0.0566
+    low, high = wilson_interval(1.0, 64)
+    assert high == 1.0 and low == pytest.approx(64 / (64 + 1.96**2))
+    # 10 of 64, by hand: centre (p + z^2/2n) / (1 + z^2/n), half z sqrt(p q/n + z^2/4n^2) / (..)
+    p, n, z = 10 / 64, 64, 1.96
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5 / (1 + z * z / n)
+    assert wilson_interval(p, n) == pytest.approx((centre - half, centre + half))
+    assert wilson_interval(p, n) == pytest.approx((0.0871, 0.2643), abs=1e-4)
+    assert wilson_interval(0.3, 0) == (0.0, 1.0)
+    with pytest.raises(ValueError, match="not in"):
+        wilson_interval(1.5, 10)
+    assert format_interval((0.08712, 0.264)) == "[0.087, 0.264]"
 
 
 class ScriptedEngine:

@@ -33,7 +33,10 @@ def test_periodic_evals_and_the_best_checkpoint(make_cfg):
         summary["eval_after"]["pass@1"] - summary["eval_before"]["pass@1"])
     assert change["num_problems"] == 4 and change["setting"]["problems"] == 4
     assert change["setting"]["env"] == cfg.env and change["ci95"] >= 0
-    assert "pass@1_ci95" in summary["eval_before"] and "pass@1_ci95" in summary["eval_after"]
+    for name in ("eval_before", "eval_after"):
+        ev = summary[name]
+        assert 0.0 <= ev["pass@1_low"] <= ev["pass@1"] <= ev["pass@1_high"] <= 1.0
+        assert ev["pass@1_high"] > ev["pass@1_low"]  # Wilson's interval never collapses
     assert f"on {cfg.env} (" in eval_report(summary) and "4 problems x 1 samples" in eval_report(
         summary)
     after = summary["eval_after"]["mean_return"]
