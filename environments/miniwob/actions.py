@@ -3,7 +3,8 @@
     click(ref)            click the element listed as [ref] (refs are shown in dom/both modes;
                           a negative ref is a run of text, clicked at its centre)
     click(x, y)           click at pixel (x, y) of the screenshot, from its top-left corner
-    type(ref, "text")     click the element [ref], then type the text
+    type(ref, "text")     click the element [ref], then type the text (a select [ref]: pick
+                          its option "text")
     type("text")          type the text into the focused element
     key("Enter")          press a key: a name (Enter, Tab, Backspace, Escape, Space, Delete,
                           ArrowUp/Down/Left/Right, Home, End, PageUp, PageDown) or one

@@ -160,6 +160,26 @@ class Browser:
             raise BrowserError("start", f"Chromium ({chromium}) {why}: {_first_line(e)}") \
                 from None
 
+    def set_timeout(self, timeout_s: float) -> None:
+        """Bound every later command by `timeout_s` (a pooled browser's next env may differ)."""
+        if timeout_s == self.timeout_s or self.closed:
+            return
+        self.timeout_s = timeout_s
+        self._config.timeout = timeout_s  # type: ignore[assignment, unused-ignore]
+        with contextlib.suppress(Exception):  # a dead browser shows itself at the next command
+            self.driver.set_page_load_timeout(timeout_s)
+            self.driver.set_script_timeout(timeout_s)
+
+    def responds(self) -> bool:
+        """Whether the browser answers a trivial command within its timeout; one that does not
+        is closed (a pool's check before it hands the browser out)."""
+        try:
+            return self.run("checking the browser",
+                            lambda: self.driver.execute_script("return 1;")) == 1
+        except (BrowserError, ActionError):
+            self.close()
+            return False
+
     def run(self, what: str, fn: Callable[[], T]) -> T:
         """`fn()`, a call to the driver. Raises `ActionError` for a command refused because of
         what was asked, and `BrowserError` (closing the browser) when the browser failed."""

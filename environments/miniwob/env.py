@@ -21,12 +21,15 @@ clock between actions and counts `step_s` per turn instead: the time limit becom
 turns (a 10 s task allows 9 actions at 1 s each) and rewards do not depend on the machine;
 the time factor is computed on that clock, exactly. `clock="wall"` is MiniWoB++'s own.
 
-The browser. One headless Chromium per env, started at the first `reset`, closed by `close()`
-(`browser.py`: no process of it outlives the env or this process). A browser that crashes or
-hangs past `timeout_s` ends the episode truncated with `info["discard"]`, `info["error"]` and
-`info["browser_failure"]` (the convention of `agentrl.types.Trajectory.discard`), and the next
-`reset` starts a new one. A browser that cannot start, or a task page that does not load,
-raises `BrowserError` from `reset`; missing Chromium or packages raise
+The browser. One headless Chromium per env, taken from this process's pool at the first
+`reset` and given back by `close()` (`pool.py`: a rollout's concurrent episodes each hold their
+own, and the next episode's env reuses a running one; `browser.py`: no process of it outlives
+this process, even after SIGKILL). A browser that crashes or hangs past `timeout_s` is closed,
+never reused: the episode ends truncated with `info["discard"]`, `info["error"]` and
+`info["browser_failure"]` (the convention of `agentrl.types.Trajectory.discard`, which the
+rollout keeps out of training and counts), and the next `reset` takes another. A browser that
+cannot start, or a task page that does not load, raises `BrowserError` from `reset` (the
+rollout discards that episode with the reason); missing Chromium or packages raise
 `BrowserUnavailableError` (one line naming what to install) when the env is built.
 
 Splits: `train` and `eval` episodes draw their page seeds from different streams ("train-N",
@@ -37,6 +40,7 @@ actions on the same seed.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +53,7 @@ from environments.miniwob import actions as act
 from environments.miniwob.browser import ActionError, Browser, BrowserError, find_browser
 from environments.miniwob.dom import Box, render_page
 from environments.miniwob.page import HEIGHT, WIDTH, TaskPage, Verdict
+from environments.miniwob.pool import browser_pool
 from environments.miniwob.tasks import resolve_tasks, task_names
 
 OBSERVATIONS = ("dom", "screenshot", "both")
@@ -76,6 +81,10 @@ def instructions(observation: str) -> str:
             f"Answer with one action on the last line: {_ACTIONS[observation]}.")
 
 
+_pages: weakref.WeakKeyDictionary[Browser, TaskPage] = weakref.WeakKeyDictionary()
+"""The page each browser shows, kept with the browser as it passes from env to env."""
+
+
 @dataclass
 class _Episode:
     task: str
@@ -85,6 +94,8 @@ class _Episode:
     clock_ms: int = 0
     answers: list[str] = field(default_factory=list)
     boxes: dict[int, Box] = field(default_factory=dict)
+    options: dict[int, list[str]] = field(default_factory=dict)
+    """The options of each select of the latest listing, by ref."""
     pointer: tuple[int, int] = (WIDTH // 2, HEIGHT // 2)
     over: bool = False
 
@@ -177,7 +188,11 @@ class MiniWoBEnv(ChatEnv):
                                           "browser_failure": e.kind}
 
     def close(self) -> None:
-        self._drop_browser()
+        """Give the browser back to the pool (it is closed there at exit, or here if it
+        failed)."""
+        browser, self._browser, self._page = self._browser, None, None
+        if browser is not None:
+            browser_pool().release(browser)
 
     # One turn
 
@@ -217,6 +232,12 @@ class MiniWoBEnv(ChatEnv):
         assert page is not None
         shown = act.action_line(answer)
         try:
+            if (isinstance(action, act.Type) and action.ref is not None
+                    and action.ref in ep.options and self.observation != "screenshot"):
+                # A select takes its option by name (typing into one is the browser's guess).
+                why = page.select_option(action.ref, action.text)
+                return None if why is None else f"{shown} failed: {why}; its options are " \
+                    f"listed after it."
             if isinstance(action, act.ClickRef | act.Type) and action.ref is not None:
                 why = self._click_ref(ep, action.ref)
                 if why is not None:
@@ -273,8 +294,9 @@ class MiniWoBEnv(ChatEnv):
     def _begin(self, ep: _Episode) -> tuple[str, np.ndarray | None]:
         """Start the episode's page (a browser first, if there is none); its first look."""
         if self._page is None:
-            self._browser = Browser(timeout_s=self.timeout_s)
-            self._page = TaskPage(self._browser)
+            self._browser = browser = browser_pool().acquire(timeout_s=self.timeout_s)
+            # A pooled browser keeps its page: the same task is restarted, not reloaded.
+            self._page = _pages.get(browser) or _pages.setdefault(browser, TaskPage(browser))
         if self._page.task != ep.task:
             self._page.load(ep.task)
         limit = None if self.time_limit_s is None else round(self.time_limit_s * 1000)
@@ -286,10 +308,12 @@ class MiniWoBEnv(ChatEnv):
         page = self._page
         assert page is not None
         dom = self.observation != "screenshot"
-        utterance, root, image = page.look(dom, with_image and self.observation != "dom")
+        utterance, seen, image = page.look(dom, with_image and self.observation != "dom")
         text = f"Task: {utterance}"
-        if root is not None:
-            lines, ep.boxes = render_page(root, WIDTH, HEIGHT)
+        if seen is not None:
+            root, notes = seen
+            lines, ep.boxes = render_page(root, WIDTH, HEIGHT, notes)
+            ep.options = {ref: list(opts) for ref, opts in notes.options.items()}
             text += "\nPage:\n" + ("\n".join(lines) or "(no text or field on the screen)")
         return text, image
 

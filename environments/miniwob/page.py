@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from environments.miniwob.browser import Browser, BrowserError
+from environments.miniwob.dom import Notes
 from environments.miniwob.tasks import html_dir
 
 if TYPE_CHECKING:
@@ -38,6 +39,46 @@ if (arguments[3]) {
 }
 """
 # A parked timer stays set (a dummy one): core.endEpisode rewards nothing once it is null.
+
+_LOOK = """
+var info = arguments[0] ? core.getDOMInfo() : null;
+// What the listing adds (dom.py's Notes): labels, a select's value and options, and which
+// elements without text react to a click (a handler of their own, or a pointer cursor).
+(function note(node) {
+  if (!node) return;
+  var el = core.previousDOMInfo[node.ref];
+  if (el instanceof HTMLSelectElement) {
+    node.value = el.selectedIndex >= 0 ? el.options[el.selectedIndex].text : "";
+    node.options = Array.prototype.map.call(el.options, function (o) { return o.text; });
+  }
+  if (el && el.getAttribute) {
+    var label = el.getAttribute("aria-label") || el.getAttribute("title") || el.getAttribute("alt");
+    if (label) node.label = label;
+    if (!node.children.length && !node.text) {  // a control without text?
+      var events = window.jQuery && jQuery._data ? jQuery._data(el, "events") : null;
+      if (el.onclick || (events && (events.click || events.mousedown || events.mouseup))
+          || window.getComputedStyle(el).cursor === "pointer") node.clickable = true;
+    }
+  }
+  node.children.forEach(note);
+})(info);
+return [core.getUtterance(), info];
+"""
+
+_SELECT = """
+var el = core.previousDOMInfo[arguments[0]];
+if (!(el instanceof HTMLSelectElement)) return "it is not a select";
+for (var i = 0; i < el.options.length; i++) {
+  if (el.options[i].text === arguments[1]) {
+    el.focus();
+    el.selectedIndex = i;
+    el.dispatchEvent(new Event("input", {bubbles: true}));
+    el.dispatchEvent(new Event("change", {bubbles: true}));
+    return true;
+  }
+}
+return "it has no option " + JSON.stringify(arguments[1]);
+"""
 
 _VERDICT = ("return [WOB_DONE_GLOBAL, WOB_REWARD_GLOBAL, WOB_RAW_REWARD_GLOBAL, "
             "WOB_REWARD_REASON == null ? null : String(WOB_REWARD_REASON)];")
@@ -126,15 +167,16 @@ class TaskPage:
         self.browser.run("ending the episode", lambda: self.driver.execute_script(
             "core.endEpisode(-1, false, arguments[0]);", reason))
 
-    def look(self, dom: bool, screenshot: bool) -> tuple[str, DOMElement | None,
-                                                            np.ndarray | None]:
-        """The task's instruction, the page's DOM (if asked) and a screenshot (if asked)."""
+    def look(self, dom: bool, screenshot: bool) -> tuple[
+            str, tuple[DOMElement, Notes] | None, np.ndarray | None]:
+        """The task's instruction, the page's DOM with what the listing adds to it (if asked)
+        and a screenshot (if asked)."""
         from miniwob.dom import DOMElement  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
         utterance, info = self.browser.run("reading the page", lambda: self.driver.execute_script(
-            "return [core.getUtterance(), arguments[0] ? core.getDOMInfo() : null];", dom))
+            _LOOK, dom))
         image = self._screenshot() if screenshot else None
-        return str(utterance), (DOMElement(info) if info else None), image
+        return str(utterance), ((DOMElement(info), Notes.of(info)) if info else None), image
 
     def _screenshot(self) -> np.ndarray:
         from miniwob.screenshot import get_screenshot  # type: ignore[import-untyped, import-not-found, unused-ignore]
@@ -149,6 +191,12 @@ class TaskPage:
         """Click the element `ref` of the latest DOM listing; None, or why it failed."""
         result = self.browser.run("clicking", lambda: self.driver.execute_script(
             "return core.elementClick(arguments[0]);", ref))
+        return None if result is True else str(result)
+
+    def select_option(self, ref: int, text: str) -> str | None:
+        """Pick the option `text` of the select `ref`; None, or why it could not."""
+        result = self.browser.run("selecting", lambda: self.driver.execute_script(
+            _SELECT, ref, text))
         return None if result is True else str(result)
 
     def click_at(self, x: int, y: int) -> None:

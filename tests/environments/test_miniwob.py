@@ -115,6 +115,41 @@ def test_the_page_listing():
     assert boxes[5].centre == (22, 110)
 
 
+def test_the_listing_shows_controls_without_text_and_selects():
+    pytest.importorskip("miniwob", reason="the listing reads miniwob's DOM elements")
+    from miniwob.dom import DOMElement
+
+    from environments.miniwob.dom import Notes, render_page
+
+    def el(ref, tag, children=(), **kw):
+        return {"ref": ref, "tag": tag, "left": 2, "top": 10 * ref, "width": 12, "height": 12,
+                "children": list(children), **kw}
+
+    raw = el(1, "BODY", [el(2, "DIV", [
+        el(3, "SPAN", classes="star", text="", clickable=True),      # an icon: by its class
+        el(4, "SPAN", id="open-search", text="", clickable=True),   # by its id
+        el(5, "SPAN", classes="reply", text="", label="Reply"),     # by its label
+        el(6, "DIV", classes="ui-resizable-handle", text=""),       # no click: not listed
+        el(7, "SPAN", text="", bgColor="rgb(255, 165, 0)"),         # a swatch: its colour
+        el(8, "SPAN", text="", bgColor="rgba(0, 0, 0, 0)"),         # transparent: not listed
+        el(9, "A", [el(10, "SPAN", classes="ui-icon", text="")], id="up"),  # an icon link
+        el(11, "SELECT", value="Angola", options=["American Samoa", "Angola"]),
+    ])])
+    lines, boxes = render_page(DOMElement(raw), 160, 210, Notes.of(raw))
+    assert lines == [
+        '[3] span icon "star"',
+        '[4] span icon "open-search"',
+        '[5] span icon "Reply"',
+        '[7] span background="#ffa500"',
+        '[9] a icon "up"',
+        '[11] select value="Angola" options: "American Samoa", "Angola"',
+    ]
+    assert sorted(boxes) == [3, 4, 5, 7, 9, 11]
+    # Without the notes (no handler seen), an icon with only a class is not listed.
+    lines, _ = render_page(DOMElement(raw), 160, 210)
+    assert '[3] span icon "star"' not in lines and '[9] a icon "up"' in lines
+
+
 def test_unknown_tasks_get_a_did_you_mean_and_the_list():
     pytest.importorskip("miniwob", reason="the task list is the miniwob package's")
     from environments.miniwob.tasks import SUITES, resolve_tasks, task_names
@@ -171,6 +206,16 @@ def _quoted(task_line: str) -> str:
     return re.search(r'"([^"]+)"', task_line).group(1)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_browser_left():
+    """Browsers given back to the pool are closed when the module ends (later tests count
+    this process's children)."""
+    yield
+    from environments.miniwob.pool import close_pool
+
+    close_pool()
+
+
 @pytest.fixture(scope="module")
 def dom_env():
     if UNAVAILABLE:
@@ -222,6 +267,30 @@ def test_typing_and_a_wrong_click(dom_env):
     _, submit = _ref_of(msg["content"], "input_text"), _ref_of(msg["content"], 'button "Submit"')
     _, reward, terminated, _, info = dom_env.step(f"click({submit})")
     assert terminated and reward == -1.0 and not info["correct"]
+
+
+@browser
+def test_a_select_and_icons_on_real_pages(dom_env):
+    [msg], _ = dom_env.reset(seed=3, options={"task": "choose-list"})
+    text = msg["content"]
+    choice = re.search(r"Select (.+) from the list", text).group(1)
+    select = _ref_of(text, r'select value="[^"]*" options: .*"' + re.escape(choice) + '"')
+    [msg], _, _, _, _ = dom_env.step(f'type({select}, "Atlantis")')
+    assert msg["content"].startswith(f'type({select}, "Atlantis") failed: it has no option '
+                                     '"Atlantis"; its options are listed after it.')
+    [msg], _, _, _, _ = dom_env.step(f'type({select}, "{choice}")')
+    assert f'[{select}] select value="{choice}"' in msg["content"]
+    _, reward, terminated, _, info = dom_env.step(f"click({_ref_of(text, 'button')})")
+    assert terminated and info["correct"] and reward == pytest.approx(0.7)
+    [msg], _ = dom_env.reset(seed=0, options={"task": "email-inbox"})
+    text = msg["content"]
+    assert len(re.findall(r'^\[\d+\] span icon "star"$', text, flags=re.MULTILINE)) >= 3
+    assert len(re.findall(r'^\[\d+\] span icon "trash"$', text, flags=re.MULTILINE)) >= 3
+    [msg], _ = dom_env.reset(seed=0, options={"task": "click-color"})
+    assert len(re.findall(r'^\[\d+\] div background="#[0-9a-f]{6}"$', msg["content"],
+                          flags=re.MULTILINE)) >= 2
+    [msg], _ = dom_env.reset(seed=0, options={"task": "click-dialog"})
+    assert "resizable" not in msg["content"]  # no handler of its own: not a control
 
 
 @browser
@@ -331,43 +400,144 @@ def test_pickled_mid_episode_the_copy_replays_and_goes_on_alike():
 
 
 @browser
-def test_close_leaves_no_browser_process():
+def test_close_gives_the_browser_back_and_the_pool_leaves_no_process():
     from environments.miniwob.env import MiniWoBEnv
+    from environments.miniwob.pool import browser_pool, close_pool
 
+    close_pool()
+    pool = browser_pool()
     env = MiniWoBEnv(task="click-button")
     env.reset(seed=0)
     browser_ = env._browser
-    pids = browser_.processes()
+    pids = sorted(browser_.processes())
     names = {Path(f"/proc/{p}/comm").read_text().strip() for p in pids}
     assert {"chromedriver", "chromium"} <= names, names
     env.close()
-    assert still_alive(pids, within_s=3.0) == []
+    assert env._browser is None and pool.idle == 1 and all(map(alive, pids))
+    # The next env takes the running browser: no start, the page is restarted, not reloaded.
+    started, reused = pool.stats.started, pool.stats.reused
+    again = MiniWoBEnv(task="click-button")
+    t0 = time.monotonic()
+    [msg], _ = again.reset(seed=1)
+    took = time.monotonic() - t0
+    assert again._browser is browser_ and "Task: Click on the" in msg["content"]
+    assert (pool.stats.started, pool.stats.reused) == (started, reused + 1)
+    assert took < 1.0, took  # starting a browser alone takes over 1 s here
+    again.close()
+    again.close()  # again: nothing to do
+    close_pool()
+    assert pool.idle == 0 and still_alive(pids, within_s=3.0) == []
     assert browser_.processes() == set() and not Path(browser_.profile).exists()
-    env.close()  # again: nothing to do
+
+
+@browser
+def test_concurrent_episodes_each_hold_their_own_browser_and_a_dead_one_is_replaced():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from environments.miniwob.env import MiniWoBEnv
+    from environments.miniwob.pool import browser_pool, close_pool
+
+    close_pool()
+    pool = browser_pool()
+    envs = [MiniWoBEnv(task="click-button") for _ in range(3)]
+    try:
+        with ThreadPoolExecutor(3) as ex:  # as a rollout's episode threads reset them
+            list(ex.map(lambda e: e[1].reset(seed=e[0]), enumerate(envs)))
+        browsers = [e._browser for e in envs]
+        assert len({id(b) for b in browsers}) == 3
+        assert not set.intersection(*(b.processes() for b in browsers))
+        assert len({b.profile for b in browsers}) == 3  # private profiles: nothing shared
+        for env in envs:
+            env.close()
+        assert pool.idle == 3  # the pool is as large as the concurrency was
+        # An idle browser crashes (its processes are killed): the next env does not get it.
+        dead = pool._idle[-1]
+        dead_pids = sorted(dead.processes())
+        for pid in dead_pids:
+            os.kill(pid, signal.SIGKILL)
+        replaced = pool.stats.replaced
+        [msg], _ = envs[0].reset(seed=7)
+        assert envs[0]._browser is not dead and dead.closed
+        assert pool.stats.replaced == replaced + 1 and "Task: Click on the" in msg["content"]
+        assert still_alive(dead_pids, within_s=3.0) == []
+    finally:
+        for env in envs:
+            env.close()
+        close_pool()
+
+
+@browser
+def test_a_browser_that_crashes_mid_episode_discards_only_that_episode(tiny_tokenizer):
+    """Through the rollout loop: the episode whose browser dies ends discarded with the reason
+    (kept out of training, counted in the trainer's `discarded` metric); the others go on,
+    and the dead browser is replaced."""
+    from agentrl.completion import SamplingParams
+    from agentrl.engine.fakes import FakeEngine
+    from agentrl.rollout import collect_sync
+    from environments.miniwob.pool import browser_pool, close_pool
+
+    close_pool()
+    started = browser_pool().stats.started
+    envs, killed = [], []
+
+    def make():
+        env = gym.make(ENV_ID, tokenizer=tiny_tokenizer, task="click-button")
+        envs.append(env.unwrapped.chat_env)
+        return env
+
+    def policy(prompt: str, _choice: int) -> str:
+        last = prompt.rsplit("Task: ", 1)[1]
+        if not killed:  # the first episode's browser dies while its policy thinks
+            killed.extend(envs[0]._browser.processes())
+            for pid in killed:
+                os.kill(pid, signal.SIGKILL)
+        ref = _ref_of(last, 'button "' + re.escape(_quoted(last)) + '"')
+        return f"click({ref})"
+
+    trajs = collect_sync(FakeEngine(tiny_tokenizer, reply=policy), make, num_prompts=3,
+                         sampling=SamplingParams(max_tokens=64), max_concurrency=1)
+    try:
+        assert [t.discard for t in trajs] == [True, False, False] and killed
+        info = trajs[0].info
+        assert info["browser_failure"] == "crashed" and "the browser failed" in info["error"]
+        assert all(t.info["correct"] for t in trajs[1:])
+        assert still_alive(killed, within_s=3.0) == []
+        assert browser_pool().stats.started - started == 2  # the dead one, its replacement
+    finally:
+        close_pool()
 
 
 @browser
 def test_a_killed_parent_leaves_no_browser_process(tmp_path):
-    """The reaper ends the browser's process group when the process that started it is
-    SIGKILLed (it never gets to close())."""
+    """The reaper ends every browser of a process that is SIGKILLed (it never gets to close()
+    or its exit handlers): those in episodes and those idle in the pool."""
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent("""
         import json, sys, time
+        from concurrent.futures import ThreadPoolExecutor
         from environments.miniwob.env import MiniWoBEnv
-        env = MiniWoBEnv(task="click-button")
-        env.reset(seed=0)
-        print(json.dumps(sorted(env._browser.processes())), flush=True)
+        envs = [MiniWoBEnv(task="click-button") for _ in range(2)]
+        with ThreadPoolExecutor(2) as ex:
+            list(ex.map(lambda e: e.reset(seed=0), envs))
+        pids = sorted(p for e in envs for p in e._browser.processes())
+        profiles = [e._browser.profile for e in envs]
+        envs[1].close()  # idle in the pool
+        print(json.dumps([pids, profiles]), flush=True)
         time.sleep(60)
     """))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                             cwd=Path(__file__).parents[2])
     try:
-        pids = json.loads(proc.stdout.readline())
-        assert len(pids) >= 3 and all(map(alive, pids))
+        pids, profiles = json.loads(proc.stdout.readline())
+        assert len(pids) >= 6 and all(map(alive, pids))
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
     assert still_alive(pids, within_s=5.0) == []
+    # Nor any other process of those browsers (found by their private profiles).
+    from environments.miniwob.browser import _naming
+
+    assert still_alive(sorted(set().union(*map(_naming, profiles))), within_s=3.0) == []
 
 
 @browser
@@ -395,21 +565,34 @@ def test_a_hung_page_fails_the_episode_with_the_reason_and_the_next_reset_recove
 
 
 @browser
-def test_a_page_that_does_not_load_is_an_error_with_the_reason(monkeypatch, tmp_path):
+def test_a_page_that_does_not_load_is_a_discarded_episode_with_the_reason(
+        monkeypatch, tmp_path, tiny_tokenizer):
+    from agentrl.completion import SamplingParams
+    from agentrl.engine.fakes import FakeEngine
+    from agentrl.rollout import collect_sync
     from environments.miniwob import page
     from environments.miniwob.browser import BrowserError
     from environments.miniwob.env import MiniWoBEnv
+    from environments.miniwob.pool import close_pool
 
+    close_pool()  # a pooled browser would still show the real page
     (tmp_path / "miniwob").mkdir()
     (tmp_path / "miniwob" / "click-button.html").write_text("<html><body>no task</body></html>")
     monkeypatch.setattr(page, "html_dir", lambda: tmp_path)
     # 3 s, not less: the timeout bounds every WebDriver call, and on a loaded 2-core machine an
     # ordinary call once took over 1 s (the test then failed on that call instead).
     env = MiniWoBEnv(task="click-button", timeout_s=3.0)
+    reason = r"the page of task 'click-button' \(file://.*\) did not load within 3 s"
     try:
-        with pytest.raises(BrowserError, match=r"^the page of task 'click-button' \(file://.*\) "
-                                               r"did not load within 3 s$") as e:
+        with pytest.raises(BrowserError, match=f"^{reason}$") as e:
             env.reset(seed=0)
         assert e.value.kind == "load" and env._browser is None
     finally:
         env.close()
+    # In a rollout: that episode is discarded with the reason, and the rollout goes on.
+    [traj] = collect_sync(
+        FakeEngine(tiny_tokenizer, reply="click(1)"),
+        lambda: gym.make(ENV_ID, tokenizer=tiny_tokenizer, task="click-button", timeout_s=3.0),
+        num_prompts=1, sampling=SamplingParams(max_tokens=8))
+    assert traj.discard and traj.truncated and not traj.turns
+    assert re.search(reason, traj.info["error"]), traj.info

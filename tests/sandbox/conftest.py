@@ -23,13 +23,15 @@ def bwrap_present() -> None:
 def no_other_children() -> None:
     """The sandbox tests count this process's children (a sandbox must leave none): first end
     the long-lived ones earlier tests may have left: the idle grammar compile workers and the
-    reaper of process groups (browsers, command agents)."""
+    reaper of process groups (browsers, command agents), and MiniWoB's idle pooled browsers."""
     from agentrl.engine.grammar_worker import stop_idle_workers
     from agentrl.process_reaper import stop_group_reaper
+    from environments.miniwob.pool import close_pool
 
     from ._helpers import descendants
 
     stop_idle_workers()
+    close_pool()
     stop_group_reaper()
     left = descendants(os.getpid())
     assert not left, f"processes started by earlier tests are still running: {sorted(left)}"
