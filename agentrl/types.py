@@ -105,6 +105,10 @@ class Turn:
     version_changes: list[tuple[int, int]] = field(default_factory=list)
     """Partial rollout: (i, v) = tokens start+i, ... were sampled by version v (the weights
     changed mid-turn); empty when `policy_version` sampled the whole turn."""
+    state_key: str | None = None
+    """The environment state this turn acted from, as the env named it (`info["state_key"]`
+    of the reset or step before it); None: the env names none, and GiGPO recognises the state
+    by its observation (`agentrl.anchors`)."""
 
     @property
     def versions(self) -> list[int]:
@@ -113,6 +117,8 @@ class Turn:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        if self.state_key is None:
+            del d["state_key"]
         if not self.version_changes:
             del d["version_changes"]  # the common case stays as it was on disk
         else:

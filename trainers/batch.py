@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from agentrl.anchors import state_ids
 from agentrl.segments import episode_key
 from agentrl.types import Trajectory, dense_group_ids
 
@@ -55,6 +56,9 @@ class RolloutBatch:
     episodes: list[str] | None = None
     """Per row, its episode (`agentrl.segments.episode_key`): rows of one episode are its
     segments, in order, and share its outcome advantage (None: every row is an episode)."""
+    state_ids: Tensor | None = None
+    """[B, T-1] int64: on the last policy token of each turn the id of the state it acted from
+    (`agentrl.anchors`, GiGPO's anchor states), 0 elsewhere."""
 
     @property
     def size(self) -> int:
@@ -70,6 +74,7 @@ class RolloutBatch:
             key_ids=self.key_ids.to(device) if self.key_ids is not None else None,
             positions=self.positions.to(device) if self.positions is not None else None,
             episodes=self.episodes,
+            state_ids=self.state_ids.to(device) if self.state_ids is not None else None,
         )
 
     def micro_batches(
@@ -111,18 +116,20 @@ def collate(
     mask = torch.zeros(B, T - 1)
     rollout_logp = torch.zeros(B, T - 1)
     rewards = torch.zeros(B, T - 1)
+    states = torch.zeros(B, T - 1, dtype=torch.long)
     for b, traj in enumerate(trajectories):
         n = len(traj.token_ids)
         input_ids[b, :n] = torch.as_tensor(traj.token_ids)
         mask[b, : n - 1] = torch.as_tensor(traj.loss_mask[1:], dtype=torch.float32)
         rollout_logp[b, : n - 1] = torch.as_tensor(traj.logprobs[1:], dtype=torch.float32)
-        for turn in traj.turns:
+        for turn, state in zip(traj.turns, state_ids(traj), strict=True):
             if turn.end > turn.start:
                 rewards[b, turn.end - 2] += turn.reward
+                states[b, turn.end - 2] = state
     lengths = torch.as_tensor([len(t.token_ids) for t in trajectories])
     groups = torch.as_tensor(list(group_ids), dtype=torch.long)
     return RolloutBatch(input_ids, lengths, mask, rollout_logp, rewards, groups,
-                        episodes=[episode_key(t) for t in trajectories])
+                        episodes=[episode_key(t) for t in trajectories], state_ids=states)
 
 
 def add_images(

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 _D = TypeVar("_D", bound="DataclassInstance")
 
-GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
+GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline", "gigpo")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,7 +108,8 @@ class AlgoConfig:
 
     estimator: str = "group_norm"
     """Advantage estimator: gae (PPO), reinforce (REINFORCE++), reinforce_baseline, group_norm
-    (GRPO), dr_grpo, rloo."""
+    (GRPO), dr_grpo, rloo, gigpo (GRPO plus step-level credit among the steps a group took from
+    the same state: agentrl.algorithms.gigpo, agentrl.anchors)."""
     policy_loss: str = "ppo"
     """Policy loss: ppo (clip, clip-higher, dual clip), gspo (sequence ratio) or cispo (the
     clipped ratio as a stop-gradient weight on REINFORCE, MiniMax-M1)."""
@@ -128,6 +129,10 @@ class AlgoConfig:
     """Discount (group estimators force 1)."""
     lam: float = 0.95
     """GAE lambda."""
+    step_weight: float = 1.0
+    """gigpo: omega, the weight of the step-level advantage added to the episode's."""
+    step_gamma: float = 0.95
+    """gigpo: the discount of the step-level returns G_t = sum_k step_gamma^k r_{t+k}."""
     kl_coef: float = 0.0
     """KL coefficient against the reference model (0 = no reference model is loaded)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
@@ -179,6 +184,9 @@ class AlgoConfig:
                                  "--algo.clip_high): leave --algo.dual_clip unset")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError("--algo.kl_coef and --algo.entropy_coef must be >= 0")
+        if self.step_weight < 0 or not 0 < self.step_gamma <= 1:
+            raise ValueError(f"--algo.step_weight must be >= 0 and --algo.step_gamma in (0, 1]; "
+                             f"got {self.step_weight} and {self.step_gamma}")
         if self.critic_init is not None:
             from agentrl.models.value import check_reward_model
 

@@ -20,6 +20,7 @@ Tensors: `_B` sequences, `_T` target tokens (the `RolloutBatch` layout, trainers
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,12 +28,15 @@ import torch
 from torch import Tensor
 
 from agentrl import algorithms as A
+from agentrl.anchors import names_states, recurring_states
 from agentrl.backends.distributed import gather_objects, pad_cat
 from agentrl.segments import by_episode, episode_reward, flatten, template_segments
 from agentrl.types import Trajectory, dense_group_ids
 from trainers.batch import RolloutBatch
 from trainers.config import AlgoConfig, TrainConfig
 from trainers.logprobs import Rows
+
+logger = logging.getLogger(__name__)
 
 MAX_REFILLS = 4
 """Dynamic filtering samples at most this many more rounds of prompts to refill a step."""
@@ -221,7 +225,29 @@ def training_batch(
                           max_new_tokens=max_new_tokens)
     metrics = rollout_metrics(trajs)
     metrics.update(agent_metrics(sampled, max_new_tokens=max_new_tokens))
-    return trajs, dense_group_ids(trajs), metrics
+    group_ids = dense_group_ids(trajs)
+    if algo.estimator == "gigpo":
+        metrics["anchor_states"] = float(check_anchor_states(trajs, group_ids))
+    return trajs, group_ids, metrics
+
+
+_WARNED: set[str] = set()
+
+
+def check_anchor_states(trajs: Sequence[Trajectory], group_ids: Sequence[int]) -> int:
+    """The batch's recurring anchor states (`agentrl.anchors.recurring_states`); the first
+    batch whose env names no state (no `info["state_key"]`) and whose observations never recur
+    within a group logs, once a process, that gigpo is plain GRPO there."""
+    recurring = recurring_states(trajs, group_ids)
+    if recurring == 0 and not names_states(trajs) and "no_anchors" not in _WARNED:
+        _WARNED.add("no_anchors")
+        logger.warning(
+            "--algo.estimator gigpo: the env names no state (info['state_key']) and no "
+            "observation recurred among a group's episodes past their first turn, so there is "
+            "no step-level group and gigpo is plain GRPO (group_norm) here. Give each reset and "
+            "step an info['state_key'] naming the env state, or use --algo.estimator "
+            "group_norm.")
+    return recurring
 
 
 def next_kl_coef(kl_coef: float, observed_kl: float, algo: AlgoConfig, *, n_steps: int) -> float:
@@ -241,7 +267,8 @@ def batch_advantages(
     and group ids (small), so group baselines and whitening see every sequence of the step.
     The group ids were numbered once for the whole step, so they are used as they come."""
     fields = {"rewards": batch.rewards, "mask": batch.mask, "kl": kl,
-              "values": batch.extras.get("values")}
+              "values": batch.extras.get("values"),
+              "state_ids": batch.state_ids if algo.estimator == "gigpo" else None}
     parts = gather_objects(({k: v for k, v in fields.items() if v is not None},
                             batch.group_ids.tolist(), batch.episodes))
     width = max(p[0]["mask"].shape[1] for p in parts)
@@ -257,6 +284,9 @@ def batch_advantages(
         kl_BT=full.get("kl"),
         kl_coef=kl_coef if kl is not None else 0.0,
         episode_ids_B=_episode_ids([p[2] for p in parts], batch.mask.device),
+        state_ids_BT=full.get("state_ids"),
+        step_weight=algo.step_weight,
+        step_gamma=algo.step_gamma,
     )
     start = sum(p[0]["mask"].shape[0] for p in parts[:rank])
     rows, cols = batch.mask.shape

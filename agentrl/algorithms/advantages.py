@@ -1,4 +1,4 @@
-"""Advantage estimators: GAE, REINFORCE(++), RLOO, GRPO, Dr. GRPO.
+"""Advantage estimators: GAE, REINFORCE(++), RLOO, GRPO, Dr. GRPO, GiGPO.
 
 Shape suffixes: ``_B`` batch (sequences), ``_T`` tokens (time), ``_G`` group (one prompt's
 samples). Per-token tensors are ``[B, T]`` float32; ``mask_BT`` is 1.0 on policy-generated
@@ -48,11 +48,14 @@ from agentrl.algorithms.episode_layout import (
     from_episodes,
     to_episodes,
 )
+from agentrl.algorithms.gigpo import step_advantages
 
 AdvantageEstimator = Callable[..., tuple[Tensor, Tensor]]
 """Called with keywords ``rewards_BT, mask_BT, group_ids_B, values_BT, gamma, lam,
-penalty_BT`` (rewards already masked; ``penalty_BT = kl_coef * kl_BT`` on action tokens, to be
-subtracted after the baseline); returns un-whitened ``(advantages_BT, returns_BT)``."""
+penalty_BT, state_ids_BT, step_weight, step_gamma`` (rewards already masked; ``penalty_BT =
+kl_coef * kl_BT`` on action tokens, to be subtracted after the baseline; the last three are
+GiGPO's, see :mod:`agentrl.algorithms.gigpo`); returns un-whitened ``(advantages_BT,
+returns_BT)``."""
 
 GROUP_NORM_EPS = 1e-9
 WHITEN_EPS = 1e-8
@@ -219,19 +222,49 @@ def _group_estimator(estimator: str, leave_one_out: bool, divide_std: bool) -> A
     return estimate
 
 
+_group_norm = _group_estimator("group_norm", False, True)
+
+
+def _gigpo(*, rewards_BT: Tensor, mask_BT: Tensor, group_ids_B: Tensor | None,
+           values_BT: Tensor | None, gamma: float, lam: float, penalty_BT: Tensor,
+           state_ids_BT: Tensor | None = None, step_weight: float = 1.0,
+           step_gamma: float = 0.95, **_: object) -> tuple[Tensor, Tensor]:
+    """GiGPO (Feng et al. 2025, arXiv:2505.10978): ``A = A^E + step_weight * A^S`` on every
+    action token, ``A^E`` the ``group_norm`` episode advantage (KL penalty included) and
+    ``A^S`` the step advantage within anchor-state groups (:mod:`agentrl.algorithms.gigpo`).
+    The returns are ``A^E``'s."""
+    if state_ids_BT is None:
+        raise ValueError(
+            "The 'gigpo' estimator groups steps by the state they acted from: pass "
+            "state_ids_BT=[B, T] (on the last action token of each step a non-zero id of its "
+            "state, 0 elsewhere), or use 'group_norm'."
+        )
+    episode_BT, returns_BT = _group_norm(
+        rewards_BT=rewards_BT, mask_BT=mask_BT, group_ids_B=group_ids_B, values_BT=values_BT,
+        gamma=gamma, lam=lam, penalty_BT=penalty_BT)
+    if step_weight == 0.0:
+        return episode_BT, returns_BT
+    assert group_ids_B is not None  # _group_norm raised otherwise
+    step_BT = step_advantages(rewards_BT, mask_BT, state_ids_BT, group_ids_B, gamma=step_gamma)
+    return episode_BT + step_weight * step_BT, returns_BT
+
+
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "gae": _gae,
     "reinforce": _reinforce,
     "reinforce_baseline": _group_estimator("reinforce_baseline", False, False),
-    "group_norm": _group_estimator("group_norm", False, True),
+    "group_norm": _group_norm,
     "dr_grpo": _group_estimator("dr_grpo", False, False),
     "rloo": _group_estimator("rloo", True, False),
+    "gigpo": _gigpo,
 }
 """Estimators by user-facing name. Baselines (algorithms.md): ``rloo`` r_i - mean_{j!=i} r_j;
 ``reinforce_baseline`` r_i - mean(r); ``dr_grpo`` r_i - mean(r) (Liu et al. 2025,
 arXiv:2503.20783); ``group_norm`` (r_i - mean(r)) / (std_unbiased(r) + 1e-9) (GRPO, Shao et al.
-2024, arXiv:2402.03300); ``reinforce`` none (REINFORCE++, Hu 2025, arXiv:2501.03262); ``gae`` a
-critic."""
+2024, arXiv:2402.03300); ``gigpo`` group_norm's plus step_weight * (G_t - mean_{s~}(G)) /
+(std_{s~}(G) + 1e-9) over the steps of the group taken from the same anchor state s~, G_t the
+step_gamma-discounted return from step t (Feng et al. 2025, arXiv:2505.10978); ``reinforce``
+none (REINFORCE++, Hu 2025, arXiv:2501.03262); ``gae`` a critic."""
 
 _WHITEN_BY_DEFAULT: dict[str, bool] = {"gae": True, "reinforce": True, "reinforce_baseline": True}
 
@@ -275,6 +308,9 @@ def compute_advantages(
     kl_coef: float = 0.0,
     reward_clip: float | None = None,
     episode_ids_B: Tensor | None = None,
+    state_ids_BT: Tensor | None = None,
+    step_weight: float = 1.0,
+    step_gamma: float = 0.95,
 ) -> tuple[Tensor, Tensor]:
     """Advantages and returns ``([B, T], [B, T])`` for the named estimator (no gradient).
 
@@ -287,9 +323,13 @@ def compute_advantages(
     ``ValueError`` (it would otherwise be silently lost). Both outputs are 0 off ``mask_BT``.
     ``episode_ids_B``: rows with equal ids are segments of one episode, in row order, and are
     estimated as one sequence (module docstring); None: every row is an episode.
+    ``state_ids_BT``, ``step_weight``, ``step_gamma``: GiGPO's anchor states (int64, on the last
+    action token of each step a non-zero id of the state it acted from), omega and the step
+    returns' discount (:mod:`agentrl.algorithms.gigpo`); the other estimators ignore them.
     """
     fn = lookup(ADVANTAGE_ESTIMATORS, estimator, "advantage estimator")
-    _check_shapes(mask_BT, rewards_BT=rewards_BT, values_BT=values_BT, kl_BT=kl_BT)
+    _check_shapes(mask_BT, rewards_BT=rewards_BT, values_BT=values_BT, kl_BT=kl_BT,
+                  state_ids_BT=state_ids_BT)
     with torch.no_grad():
         mask_BT = mask_BT.float()
         action_BT = mask_BT != 0
@@ -308,11 +348,12 @@ def compute_advantages(
             penalty_BT = torch.where(action_BT, kl_coef * kl_BT.float(), 0.0)
         inputs: dict[str, Tensor | None] = {
             "rewards_BT": rewards_BT, "mask_BT": mask_BT, "group_ids_B": group_ids_B,
-            "values_BT": values_BT, "penalty_BT": penalty_BT}
+            "values_BT": values_BT, "penalty_BT": penalty_BT, "state_ids_BT": state_ids_BT}
         lay_back: Callable[[Tensor], Tensor] | None = None
         if episode_ids_B is not None:
             inputs, lay_back = _by_episode(episode_ids_B, **inputs)
-        advantages_BT, returns_BT = fn(**inputs, gamma=gamma, lam=lam)
+        advantages_BT, returns_BT = fn(**inputs, gamma=gamma, lam=lam, step_weight=step_weight,
+                                       step_gamma=step_gamma)
         if lay_back is not None:
             advantages_BT, returns_BT = lay_back(advantages_BT), lay_back(returns_BT)
         if whiten is None:
@@ -328,6 +369,7 @@ def compute_advantages(
 def _by_episode(
     episode_ids_B: Tensor, *, rewards_BT: Tensor | None, mask_BT: Tensor | None,
     group_ids_B: Tensor | None, values_BT: Tensor | None, penalty_BT: Tensor | None,
+    state_ids_BT: Tensor | None,
 ) -> tuple[dict[str, Tensor | None], Callable[[Tensor], Tensor]]:
     """An estimator's inputs with each episode's rows laid end to end (its group, the group of
     its rows), and the function that lays an output back as rows."""
@@ -345,5 +387,6 @@ def _by_episode(
         "group_ids_B": None if group_ids_B is None else episode_group_ids(
             group_ids_B.to(mask_BT.device), index_B, E),
         "values_BT": None if values_BT is None else lay(values_BT.float()),
+        "state_ids_BT": None if state_ids_BT is None else lay(state_ids_BT.long()),
     }
     return laid, lambda x_ET: from_episodes(x_ET, index_B, position_B, S)

@@ -16,6 +16,8 @@ with `info["new_segment"]` (a chat template rewrote the earlier conversation) is
 context: the episode goes on in a new segment, a trajectory of its own (`agentrl.segments`:
 the segments share `info["episode"]` and the episode's final info, and follow each other in
 the results); the token budget counts the current segment's context, what the model sees.
+A `state_key` in the info of a `reset` or `step` names the state the next turn acts from
+(`Turn.state_key`, GiGPO's anchor state: `agentrl.anchors`).
 
 An episode whose env raises in `reset` or `step` ends there: the trajectory keeps the turns so
 far, is marked truncated and carries `info["error"]`; the other episodes are unaffected. An env
@@ -231,6 +233,7 @@ async def _play(
     obs, info = await thread.call("reset", env.reset, seed=ep.seed, options=ep.options,
                                   timeout=timeout)
     out.info = dict(info)
+    state_key = info.get("state_key")  # GiGPO's anchor state, when the env names it
     context, images = _observe(builder, obs, [], [], engine)
     turn = 0
     while True:
@@ -255,6 +258,7 @@ async def _play(
             finish_reason=c.finish_reason,
             version_changes=c.version_changes,
         )
+        step.state_key = None if state_key is None else str(state_key)
         context.extend(c.token_ids)
         turn += 1
         if c.finish_reason == "abort":
@@ -265,6 +269,7 @@ async def _play(
         )
         step.reward = float(reward)
         out.terminated, out.truncated, out.info = bool(terminated), bool(truncated), dict(step_info)
+        state_key = step_info.get("state_key")
         if terminated or truncated:
             return
         fresh = bool(step_info.get("new_segment"))  # a whole new context: a new segment

@@ -1,0 +1,203 @@
+"""Step-level credit on a multi-turn env with per-step rewards (#37 item 3): the same loop,
+seeds and model trained with three advantages, measured in one run.
+
+- outcome: GRPO's outcome advantage on every turn (`group_norm`, agentrl's default since the
+  turn-level outcome advantage replaced reward-to-go);
+- rtg_turn: reward-to-go with a per-turn baseline, A_t = (G_t - mean_g G_t) / (std_g G_t + 1e-9)
+  over the group's turns with the same index t (G_t = sum_k r_{t+k}, undiscounted);
+- gigpo: GRPO's episode advantage plus GiGPO's step advantage among the group's steps taken
+  from the same anchor state (`agentrl.algorithms.gigpo`, step_gamma 0.95, weight 1; states
+  named by the env, `agentrl.anchors`).
+
+The env is GuessNumber with `progress_reward` (each guess earns the share of [1, high] it rules
+out; finding the number earns 1) and its state key, the range the hints leave open: states
+recur whenever two episodes of a group narrow the range alike. The policy is the tiny model
+(2-layer Llama, hidden 64, built in-process), trained as examples/grpo_reference.py does (one
+clipped policy-gradient step per batch, token-mean loss). Per method and seed it prints the
+mean episode return of each step; the summary gives the mean of the last steps and the first
+step whose 3-step moving average reaches the threshold.
+
+    python benchmarks/step_credit.py                        # ~8 min on 2 busy cores
+    python benchmarks/step_credit.py --steps 40 --seeds 0 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import gymnasium as gym
+import torch
+from machine import cpu_description  # benchmarks/machine.py
+from torch import Tensor
+
+import agentrl  # noqa: F401 - registers the env ids
+from agentrl import algorithms as A
+from agentrl.algorithms.gigpo import GROUP_NORM_EPS
+from agentrl.anchors import state_ids
+from agentrl.completion import SamplingParams
+from agentrl.engine import create_engine
+from agentrl.models.tiny import tiny_model, tiny_tokenizer
+from agentrl.rollout import collect_sync
+from agentrl.seeding import derive_seed
+from agentrl.types import Trajectory, dense_group_ids
+
+METHODS = ("outcome", "rtg_turn", "gigpo")
+
+
+def tensors(trajs: list[Trajectory], pad_id: int) -> dict[str, Tensor]:
+    """ids/attention [B, T]; mask, rewards, state ids and turn index (1-based) on each turn's
+    last target [B, T-1]."""
+    B, T = len(trajs), max(len(t.token_ids) for t in trajs)
+    out = {"ids": torch.full((B, T), pad_id, dtype=torch.long),
+           "attention": torch.zeros(B, T, dtype=torch.long), "mask": torch.zeros(B, T - 1),
+           "rewards": torch.zeros(B, T - 1), "states": torch.zeros(B, T - 1, dtype=torch.long),
+           "turns": torch.zeros(B, T - 1, dtype=torch.long)}
+    for b, traj in enumerate(trajs):
+        n = len(traj.token_ids)
+        out["ids"][b, :n], out["attention"][b, :n] = torch.tensor(traj.token_ids), 1
+        out["mask"][b, : n - 1] = torch.tensor(traj.loss_mask[1:], dtype=torch.float32)
+        for k, (turn, state) in enumerate(zip(traj.turns, state_ids(traj), strict=True)):
+            if turn.end > turn.start:
+                out["rewards"][b, turn.end - 2] += turn.reward
+                out["states"][b, turn.end - 2] = state
+                out["turns"][b, turn.end - 2] = k + 1
+    return out
+
+
+def rtg_turn_advantages(rewards_BT: Tensor, mask_BT: Tensor, turns_BT: Tensor,
+                        group_ids_B: Tensor) -> Tensor:
+    """Reward-to-go with a per-turn baseline (module docstring), by plain loops."""
+    B, T = mask_BT.shape
+    steps: list[list[tuple[list[int], float]]] = []
+    for b in range(B):
+        row, tokens = [], []
+        for t in range(T):
+            if mask_BT[b, t]:
+                tokens.append(t)
+                if turns_BT[b, t]:
+                    row.append((tokens, float(rewards_BT[b, t])))
+                    tokens = []
+        steps.append(row)
+    pools: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
+    for b, row in enumerate(steps):
+        g = 0.0
+        for k in reversed(range(len(row))):
+            g += row[k][1]
+            pools.setdefault((int(group_ids_B[b]), k), []).append((b, k, g))
+    out = torch.zeros(B, T)
+    for members in pools.values():
+        gs = [g for _, _, g in members]
+        if len(gs) < 2 or max(gs) == min(gs):
+            continue
+        mean = sum(gs) / len(gs)
+        std = (sum((g - mean) ** 2 for g in gs) / (len(gs) - 1)) ** 0.5
+        for b, k, g in members:
+            out[b, steps[b][k][0]] = (g - mean) / (std + GROUP_NORM_EPS)
+    return out
+
+
+def advantages(method: str, x: dict[str, Tensor], group_ids_B: Tensor) -> Tensor:
+    if method == "outcome":
+        return A.compute_advantages("group_norm", rewards_BT=x["rewards"], mask_BT=x["mask"],
+                                    group_ids_B=group_ids_B)[0]
+    if method == "gigpo":
+        return A.compute_advantages("gigpo", rewards_BT=x["rewards"], mask_BT=x["mask"],
+                                    group_ids_B=group_ids_B, state_ids_BT=x["states"])[0]
+    return rtg_turn_advantages(x["rewards"], x["mask"], x["turns"], group_ids_B)
+
+
+def train(method: str, seed: int, args: argparse.Namespace) -> list[float]:
+    """Mean episode return of each step of one run."""
+    torch.manual_seed(seed)
+    tok = tiny_tokenizer()
+    model = tiny_model(tok, seed=seed)
+    pad_id = tok.pad_token_id
+    engine = create_engine(model, tokenizer=tok)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    returns = []
+    for step in range(args.steps):
+        model.eval()
+        trajs = collect_sync(
+            engine,
+            lambda: gym.make("agentrl/GuessNumber-v0", tokenizer=tok, high=args.high,
+                             max_guesses=args.turns, progress_reward=args.progress_reward),
+            num_prompts=args.prompts, n_samples_per_prompt=args.group,
+            sampling=SamplingParams(temperature=1.0, max_tokens=args.max_new_tokens,
+                                    seed=derive_seed(seed, step)),
+            seeds=[derive_seed(seed, "prompt", step * args.prompts + i)
+                   for i in range(args.prompts)],
+            group_prefix=f"s{step}-")
+        model.train()
+        x = tensors(trajs, pad_id)
+        adv_BT = advantages(method, x, torch.tensor(dense_group_ids(trajs)))
+        logits = model(input_ids=x["ids"], attention_mask=x["attention"]).logits[:, :-1]
+        logp_BT = A.logprobs_from_logits(logits, x["ids"][:, 1:], 1.0)
+        loss_BT, _ = A.policy_loss("ppo", logp_BT=logp_BT, old_logp_BT=logp_BT.detach(),
+                                   advantages_BT=adv_BT, mask_BT=x["mask"])
+        loss = A.aggregate_loss(loss_BT, x["mask"], "token-mean", num_tokens=x["mask"].sum())
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        engine.update_weights({}, step + 1)
+        returns.append(sum(t.total_reward for t in trajs) / len(trajs))
+    engine.close()
+    return returns
+
+
+def steps_to(curve: list[float], threshold: float) -> int | None:
+    """First step (1-based) whose 3-step moving average reaches `threshold`."""
+    for i in range(2, len(curve)):
+        if sum(curve[i - 2 : i + 1]) / 3 >= threshold:
+            return i + 1
+    return None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    p.add_argument("--group", type=int, default=6, help="episodes per prompt")
+    p.add_argument("--high", type=int, default=16)
+    p.add_argument("--turns", type=int, default=4, help="guesses per episode")
+    p.add_argument("--progress_reward", type=float, default=1.0)
+    p.add_argument("--max_new_tokens", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--threshold", type=float, default=None,
+                   help="return to reach (default: halfway from the first steps' mean to the "
+                        "best final mean of any method)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    print(f"machine: {cpu_description()}, torch threads {torch.get_num_threads()}")
+    print(f"args: {json.dumps(vars(args))}")
+    curves: dict[str, dict[int, list[float]]] = {m: {} for m in args.methods}
+    t0 = time.perf_counter()
+    for seed in args.seeds:
+        for method in args.methods:
+            t = time.perf_counter()
+            curves[method][seed] = c = train(method, seed, args)
+            print(f"{method:9s} seed {seed}: {' '.join(f'{r:.2f}' for r in c)}  "
+                  f"({time.perf_counter() - t:.0f} s)", flush=True)
+    tail = min(5, args.steps)
+    final = {m: sum(sum(c[-tail:]) / tail for c in cs.values()) / len(cs)
+             for m, cs in curves.items()}
+    start = sum(c[0] for cs in curves.values() for c in cs.values()) / sum(
+        len(cs) for cs in curves.values())
+    threshold = args.threshold if args.threshold is not None else (
+        start + (max(final.values()) - start) / 2)
+    print(f"\nfirst-step return {start:.3f}; threshold {threshold:.3f}; "
+          f"total {time.perf_counter() - t0:.0f} s")
+    base = final.get("outcome")
+    for m, cs in curves.items():
+        reached = [steps_to(c, threshold) for c in cs.values()]
+        ratio = f", x{final[m] / base:.2f} of outcome's" if base else ""
+        print(f"{m:9s} last-{tail} mean return {final[m]:.3f}{ratio}; steps to threshold "
+              f"per seed {reached}")
+
+
+if __name__ == "__main__":
+    main()
