@@ -1,11 +1,12 @@
-# One-command set-up, the test command and the static checks. CI (.ci/run) runs `make lint test`.
+# One-command set-up, the test command, the static checks and the docs. CI (.ci/run) runs
+# `make lint docs test`.
 PY ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 CPU_INDEX := https://download.pytorch.org/whl/cpu
 
-.PHONY: setup test test-fast lint train clean
+.PHONY: setup test test-fast lint docs train clean
 
 setup: $(BIN)/agentrl
 
@@ -46,6 +47,11 @@ lint: setup
 	$(BIN)/ruff check agentrl environments servers trainers tools
 	$(BIN)/mypy
 	PYTHONPATH=. $(BIN)/lint-imports --no-cache
+
+# The documentation site (mkdocs.yml), strictly: a broken link or reference fails it. Its CLI
+# reference and benchmark pages are generated during the build (docs/gen_pages.py).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 train: setup
 	$(BIN)/agentrl train --env math-tir
