@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 _D = TypeVar("_D", bound="DataclassInstance")
+logger = logging.getLogger(__name__)
 
 GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline", "gigpo")
 
@@ -162,6 +164,15 @@ class AlgoConfig:
     """ProRL truncation penalty: >= 0 scales, < 0 replaces the reward of truncated episodes."""
     dynamic_filter: Literal["none", "mean", "std"] = "none"
     """DAPO dynamic filtering of groups: mean in (0, 1), or std > 0."""
+    teacher: str | None = None
+    """On-policy distillation: a teacher model (a name, a model directory, a trained RUN_DIR/hf)
+    sharing the policy's tokenizer, run by --rollout.engine, scores every sampled token; its
+    log-prob less the student's (the negative reverse-KL estimate) is the token's advantage
+    (agentrl.algorithms.distillation)."""
+    teacher_coef: float = 1.0
+    """With --algo.teacher: the teacher term's weight c in (0, 1]; the advantage is c x
+    (teacher - student log-prob) + (1 - c) x the env reward's advantage by --algo.estimator
+    (1: pure distillation, the env reward only measured)."""
 
     def __post_init__(self) -> None:
         if validation_deferred():
@@ -194,6 +205,30 @@ class AlgoConfig:
                 raise ValueError("--algo.critic_init starts PPO's critic; it needs "
                                  "--algo.estimator gae")
             check_reward_model(self.critic_init, "--algo.critic_init")
+        self._check_teacher()
+
+    def _check_teacher(self) -> None:
+        if self.teacher is None:
+            if self.teacher_coef != 1.0:
+                logger.warning("--algo.teacher_coef %s is ignored: it weighs --algo.teacher, "
+                               "which is not set", self.teacher_coef)
+            return
+        if not 0.0 < self.teacher_coef <= 1.0:
+            raise ValueError(f"--algo.teacher_coef must be in (0, 1] (1: pure distillation), "
+                             f"got {self.teacher_coef}")
+        if self.teacher_coef == 1.0 and self.estimator == "gae":
+            raise ValueError("--algo.teacher with --algo.teacher_coef 1 is pure distillation, "
+                             "which uses no critic: drop --algo.estimator gae, or mix in the "
+                             "env reward with --algo.teacher_coef below 1")
+        if self.teacher_coef == 1.0 and self.kl_coef > 0 and not self.kl_as_loss:
+            raise ValueError("--algo.teacher with --algo.teacher_coef 1 runs no estimator to "
+                             "shape rewards with the reference KL (--algo.kl_coef): add "
+                             "--algo.kl_as_loss to keep it as a loss term")
+
+    @property
+    def pure_distillation(self) -> bool:
+        """A teacher alone gives the advantages: the env reward is only measured."""
+        return self.teacher is not None and self.teacher_coef == 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -484,7 +519,8 @@ class TrainConfig:
         if validation_deferred():
             return
         ro = self.rollout
-        if self.algo.estimator in GROUP_ESTIMATORS and ro.n_samples_per_prompt < 2:
+        if (self.algo.estimator in GROUP_ESTIMATORS and ro.n_samples_per_prompt < 2
+                and not self.algo.pure_distillation):
             raise ValueError(
                 f"--algo.estimator {self.algo.estimator} needs a group: set "
                 f"--rollout.n_samples_per_prompt >= 2 (got {ro.n_samples_per_prompt})"
@@ -668,6 +704,8 @@ def check_model(cfg: TrainConfig) -> None:
     check_model_name(model)
     check_engine_loads(cfg.rollout.engine, model, engine_flag="--rollout.engine",
                        model_flag="--actor.model")
+    if cfg.algo.teacher is not None:
+        check_teacher(cfg)
     if cfg.agent_run:
         return  # an outside agent's sessions: no env is built
     from agentrl.envs import resolve_env_id
@@ -689,6 +727,28 @@ def check_model(cfg: TrainConfig) -> None:
                 preflight(**kwargs)
             except (RuntimeError, ValueError) as e:
                 raise ValueError(f"--env {cfg.env}: {e}") from None
+
+
+def check_teacher(cfg: TrainConfig) -> None:
+    """--algo.teacher against the policy, before either loads: a model --rollout.engine can
+    load, with the policy's vocabulary (its tokenizer read, no model), and one that sees images
+    where the policy does."""
+    from agentrl.models.named import check_engine_loads, sees_images
+    from agentrl.models.vocabulary import check_shared_vocabulary
+
+    teacher, model = cfg.algo.teacher, cfg.actor.model
+    assert teacher is not None
+    try:
+        check_model_name(teacher)
+    except ValueError as e:
+        raise ValueError(str(e).replace("--actor.model", "--algo.teacher", 1)) from None
+    check_engine_loads(cfg.rollout.engine, teacher, engine_flag="--rollout.engine",
+                       model_flag="--algo.teacher")
+    check_shared_vocabulary(model, teacher, model_flag="--actor.model", other_flag="--algo.teacher")
+    if sees_images(model) and sees_images(teacher) is False:
+        raise ValueError(f"--algo.teacher {teacher} is a text-only model, but --actor.model "
+                         f"{model} sees images: the teacher must read the same screenshots; "
+                         f"use a vision-language teacher")
 
 
 def config_from_dict(d: dict, base: TrainConfig | None = None) -> TrainConfig:

@@ -52,7 +52,8 @@ class MetricsLogger:
         if self._bar is None:
             return
         self._bar.n = step
-        shown = {k: metrics[k] for k in ("reward", "kl", "entropy", "time_step") if k in metrics}
+        shown = {k: metrics[k] for k in ("reward", "kl", "teacher_kl", "entropy", "time_step")
+                 if k in metrics}
         self._bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
         self._bar.refresh()
 

@@ -107,6 +107,12 @@ class PolicyWorker:
         # The transformers engine samples from self.model itself: a weight sync is a version
         # bump. vLLM holds its own copy, loaded after every update.
         self.shares_weights = cfg.rollout.engine == "transformers"
+        # On-policy distillation: the teacher scores every batch (trainers/distillation.py).
+        self.teacher: Any = None
+        if cfg.algo.teacher is not None:
+            from trainers.distillation import teacher_engine
+
+            self.teacher = teacher_engine(cfg, self.device)
         if with_engine:
             from trainers.rollout_engines import make_engine
 
@@ -183,6 +189,11 @@ class PolicyWorker:
                 self._fill(batch, "ref_logp", self.policy)
         if self.critic is not None:
             self._fill(batch, "values", self.critic)
+        if self.teacher is not None:
+            from trainers.distillation import teacher_logprobs
+
+            batch.extras["teacher_logp"] = teacher_logprobs(
+                self.teacher, trajectories, batch.mask.shape[1]).to(self.device) * batch.mask
         kl = None
         if self.has_ref and not algo.kl_as_loss:
             old = batch.extras.get("old_logp", batch.rollout_logp)
@@ -198,6 +209,10 @@ class PolicyWorker:
         )
         if kl is not None:
             metrics["kl"] = float(A.masked_mean(kl, batch.mask))
+        if self.teacher is not None:  # the k1 reverse-KL estimate the distillation descends
+            student = batch.extras.get("old_logp", batch.rollout_logp)
+            metrics["teacher_kl"] = float(A.masked_mean(
+                student - batch.extras["teacher_logp"], batch.mask))
         self.version += 1
         self._sync_engine()
         return metrics
@@ -387,6 +402,9 @@ class PolicyWorker:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        if self.teacher is not None:
+            self.teacher.close()
+            self.teacher = None
         if self._broadcast is not None:
             self._broadcast.close()
             self._broadcast = None

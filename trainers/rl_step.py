@@ -265,7 +265,30 @@ def batch_advantages(
 ) -> tuple[Tensor, Tensor]:
     """(advantages, returns) of this rank's rows. Every rank gathers all ranks' rewards, masks
     and group ids (small), so group baselines and whitening see every sequence of the step.
-    The group ids were numbered once for the whole step, so they are used as they come."""
+    The group ids were numbered once for the whole step, so they are used as they come.
+    With a teacher (on-policy distillation) the advantages are
+    `agentrl.algorithms.distillation_advantages` of the batch's `teacher_logp` and the
+    student's log-probs (the trainer's before the update where it computed them, else the
+    sampler's), per token; pure distillation runs no estimator (returns = advantages)."""
+    if algo.pure_distillation:
+        adv = _distilled(algo, batch, None)
+        return adv, adv
+    adv, ret = _estimated(algo, batch, kl, kl_coef, rank)
+    if algo.teacher is not None:
+        adv = _distilled(algo, batch, adv)
+    return adv, ret
+
+
+def _distilled(algo: AlgoConfig, batch: RolloutBatch, env_adv: Tensor | None) -> Tensor:
+    student = batch.extras.get("old_logp", batch.rollout_logp)
+    return A.distillation_advantages(batch.extras["teacher_logp"], student, batch.mask,
+                                     env_advantages_BT=env_adv, teacher_coef=algo.teacher_coef)
+
+
+def _estimated(
+    algo: AlgoConfig, batch: RolloutBatch, kl: Tensor | None, kl_coef: float, rank: int
+) -> tuple[Tensor, Tensor]:
+    """The estimator's (advantages, returns) of this rank's rows, over every rank's."""
     fields = {"rewards": batch.rewards, "mask": batch.mask, "kl": kl,
               "values": batch.extras.get("values"),
               "state_ids": batch.state_ids if algo.estimator == "gigpo" else None}

@@ -19,6 +19,7 @@ from agentrl.algorithms.corrections import (
     logprob_mismatch,
     mismatch_weights,
 )
+from agentrl.algorithms.distillation import distillation_advantages
 from agentrl.algorithms.kl import KL_ESTIMATORS, adaptive_kl_coef, kl_estimate
 from agentrl.algorithms.losses import (
     LOSS_AGGREGATIONS,
@@ -55,6 +56,7 @@ __all__ = [
     "cispo_loss",
     "compute_advantages",
     "discounted_returns",
+    "distillation_advantages",
     "dynamic_filter",
     "entropy_from_logits",
     "gae_advantages",

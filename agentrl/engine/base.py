@@ -79,6 +79,20 @@ class Engine(Protocol):
         """
         ...
 
+    async def score(
+        self,
+        token_ids: Sequence[int],
+        images: Sequence[np.ndarray] | None = None,
+        *,
+        start: int = 1,
+    ) -> list[float]:
+        """The model's log-probs of `token_ids[start:]`, each given the tokens before it:
+        `log p(token_ids[i] | token_ids[:i])` for i in start..len-1, of the raw distribution
+        (temperature 1, no top-k/top-p). A prefill, nothing is sampled: how a teacher or a
+        reference model reads another policy's tokens. `images` as for `generate` (a
+        vision-language model's placeholders expanded in `token_ids`)."""
+        ...
+
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         """Load new parameters (a state dict or an iterator of (name, tensor)) as `version`."""
         ...

@@ -17,6 +17,7 @@ import numpy as np
 
 from agentrl.completion import Completion, CompletionDelta, FinishReason, SamplingParams
 from agentrl.engine.base import NamedTensors, PromptTooLongError
+from agentrl.engine.requests import check_score
 
 Reply = Callable[[str, int], str]
 """(decoded prompt, choice index) -> the text the fake model 'samples'."""
@@ -39,6 +40,11 @@ class FakeEngineOptions(TypedDict, total=False):
     max_context: int
     version: int
     token_ids_for: Callable[[str], list[int]] | None
+
+
+def fake_logprob(token: int) -> float:
+    """The log-prob the fakes give token id `token`, sampled or scored."""
+    return -0.01 * (1 + token % 7)
 
 
 def default_reply(prompt: str, choice: int) -> str:
@@ -71,6 +77,8 @@ class FakeEngine:
         )
         self.eos = tokenizer.eos_token_id
         self.requests: list[tuple[list[int], SamplingParams, int]] = []
+        self.scored: list[tuple[list[int], int, int]] = []
+        """(token ids, start, number of images) of each `score` call."""
         self.aborted = 0
         self.active = 0
         self.fail_with: Exception | None = None
@@ -100,7 +108,7 @@ class FakeEngine:
             finish: FinishReason = "stop"
             if len(ids) > params.max_tokens:
                 ids, finish = ids[: params.max_tokens], "length"
-            lps = [-0.01 * (1 + t % 7) for t in ids]
+            lps = [fake_logprob(t) for t in ids]
             top = None
             if params.top_logprobs:
                 top = [
@@ -132,6 +140,19 @@ class FakeEngine:
         finally:
             self.active -= 1
         return completions
+
+    async def score(
+        self,
+        token_ids: Sequence[int],
+        images: Sequence[np.ndarray] | None = None,
+        *,
+        start: int = 1,
+    ) -> list[float]:
+        """The log-probs its `generate` reports for the same tokens, `fake_logprob(t)`;
+        records the call in `scored`."""
+        ids = check_score(token_ids, start, vocab_size=1 << 31, max_context=self._max_context)
+        self.scored.append((ids, start, len(images or ())))
+        return [fake_logprob(t) for t in ids[start:]]
 
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         """No weights to load: the replies stay, tagged with `version` from now on."""

@@ -267,6 +267,35 @@ class ModelRunner:
                 self.prefix_cache.insert(k, cache.row_prefix(u))
         return cache, out.logits[:, -1, :]
 
+    def score(self, ids: list[int], vision: VisionPrompt | None, start: int) -> torch.Tensor:
+        """Log-probs [len - start] of `ids[start:]` under the model, from one forward over the
+        whole sequence (no cache read or written), logits kept only where they predict a scored
+        token; the arithmetic is the trainer's (`agentrl.algorithms.logprobs_from_logits`,
+        float32, temperature 1). The caller holds the engine's step lock, under no_grad."""
+        from agentrl.algorithms import logprobs_from_logits
+
+        n = len(ids)
+        if vision is not None and vision.positions is not None:
+            pos = _mrope_positions(vision, n)[:, None]
+        else:
+            pos = torch.arange(n)[None]
+        image_inputs: dict[str, torch.Tensor] = {}
+        if vision is not None and vision.images:
+            assert self.vision is not None
+            image_inputs = {
+                k: t.to(self.device) for k, t in self.vision.model_inputs(vision.images).items()
+            }
+        self.counters["scored_tokens"] += n
+        out = self.forward(
+            input_ids=torch.tensor([ids], device=self.device),
+            position_ids=pos.to(self.device),
+            use_cache=False,
+            logits_to_keep=n - start + 1,  # positions start-1 .. n-1; the last predicts nothing
+            **image_inputs,
+        )
+        labels = torch.tensor([ids[start:]], device=self.device)
+        return logprobs_from_logits(out.logits[:, :-1], labels)[0]
+
     def decode(self) -> tuple[list[Sample], torch.Tensor]:
         """One decode step of every row: the unfinished samples and their next-token logits."""
         batch = self.batch

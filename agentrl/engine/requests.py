@@ -50,6 +50,26 @@ def check_request(
     return prompt
 
 
+def check_score(
+    token_ids: Sequence[int], start: int, *, vocab_size: int, max_context: int
+) -> list[int]:
+    """Validate a score() call (`Engine.score`): token ids in the vocabulary, 1 <= start <=
+    len (the first token has no context to be scored in), the sequence within `max_context`;
+    returns the ids as list[int]."""
+    if isinstance(token_ids, str | bytes):
+        raise TypeError("score() takes token ids, not text; tokenize the sequence first")
+    ids = [int(t) for t in token_ids]
+    if not 1 <= start <= len(ids):
+        raise ValueError(f"score(start={start}) must be in [1, {len(ids)}] for {len(ids)} "
+                         f"tokens: the first token has no context to be scored in")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(ids) > max_context:
+        raise PromptTooLongError(len(ids), max_context)
+    return ids
+
+
 def empty_completion(params: SamplingParams, version: int) -> Completion:
     """What a request with `max_tokens=0` gets: no tokens, finish reason "length"."""
     return Completion(

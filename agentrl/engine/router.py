@@ -199,6 +199,23 @@ class EngineRouter:
         finally:
             self.outstanding[i] -= cost
 
+    async def score(self, token_ids: Sequence[int], images: Sequence[Any] | None = None, *,
+                    start: int = 1) -> list[float]:
+        """`Engine.score` on the least busy engine (a conversation's own, for its prefix)."""
+        cost = len(token_ids)
+        while True:
+            i = self.pick(cost, affinity_key.get())
+            engine = self.engines[i]
+            self.outstanding[i] += cost
+            self.routed[i] += 1
+            try:
+                return list(await engine.score(token_ids, images, start=start))
+            except EngineGone as e:
+                self._lost(i, engine, e)
+                self.retried += 1
+            finally:
+                self.outstanding[i] -= cost
+
     @property
     def version(self) -> int:
         live = [e for e, ok in zip(self.engines, self.alive, strict=True) if ok] or self.engines

@@ -35,7 +35,13 @@ from agentrl.engine.base import NamedTensors
 from agentrl.engine.grammar import GrammarMasks
 from agentrl.engine.kv import PrefixCache
 from agentrl.engine.model_runner import DecodeStep, ModelRunner, chunks_within
-from agentrl.engine.requests import Request, Sample, check_request, empty_completion
+from agentrl.engine.requests import (
+    Request,
+    Sample,
+    check_request,
+    check_score,
+    empty_completion,
+)
 from agentrl.engine.scheduler import Scheduler
 from agentrl.engine.token_sampling import Drawn, Sampler, model_eos_ids
 from agentrl.models.vision import VisionProcessor, is_vision_config, vision_processor
@@ -210,6 +216,27 @@ class TransformersEngine:
                 self.abort(req.id)
                 # A failure resolving the future after the consumer left is nobody's to read.
                 req.future.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def score(
+        self,
+        token_ids: Sequence[int],
+        images: Sequence[np.ndarray] | None = None,
+        *,
+        start: int = 1,
+    ) -> list[float]:
+        """The model's log-probs of `token_ids[start:]` (`Engine.score`): one forward pass, run
+        off the caller's loop between two of the worker's steps, nothing sampled or cached."""
+        ids = check_score(token_ids, start, vocab_size=self.vocab_size,
+                          max_context=self._max_context)
+        vision = self.runner.vision_prompt(ids, images) if images else None
+        if self.scheduler.closed:
+            raise RuntimeError("engine is closed")
+
+        def run() -> list[float]:
+            with self._step_lock, torch.no_grad():
+                return self.runner.score(ids, vision, start).tolist()
+
+        return await asyncio.to_thread(run)
 
     async def _checked(self, prompt_ids: Sequence[int], params: SamplingParams
                        ) -> tuple[list[int], Any]:

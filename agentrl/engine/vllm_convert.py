@@ -144,6 +144,20 @@ class StreamLabels:
         return []
 
 
+def score_from_prompt_logprobs(out: Any, ids: Sequence[int], start: int) -> list[float]:
+    """The log-probs of `ids[start:]` from a `RequestOutput` of the prompt `ids` with
+    `prompt_logprobs=0` (per position None, then a dict holding at least the prompt's own
+    token id -> `Logprob`). A vision-language prompt is the one vLLM expanded its
+    placeholders into, which must be `ids` again (`VLLMEngine._prompt`)."""
+    if out is None or out.prompt_logprobs is None:
+        raise RuntimeError("vLLM returned no prompt logprobs (the scoring request was aborted)")
+    got = [int(t) for t in out.prompt_token_ids or ()]
+    if got != list(ids):
+        raise RuntimeError(f"vLLM scored another sequence than it was given ({len(got)} tokens, "
+                           f"{len(ids)} sent): its image expansion differs from agentrl's")
+    return [float(out.prompt_logprobs[i][ids[i]].logprob) for i in range(start, len(ids))]
+
+
 def to_completion(out: Any, params: SamplingParams, versions: Versions) -> Completion:
     """A finished `CompletionOutput` as a `Completion`."""
     ids, lps, top = _tokens(out, params)

@@ -59,10 +59,11 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequen
 from typing import TYPE_CHECKING, Any
 
 from agentrl.completion import Completion, CompletionDelta, SamplingParams
-from agentrl.engine.requests import check_request
+from agentrl.engine.requests import check_request, check_score
 from agentrl.engine.vllm_convert import (
     StreamLabels,
     greedy_copies,
+    score_from_prompt_logprobs,
     to_completion,
     to_delta,
     to_vllm_params,
@@ -264,6 +265,41 @@ class VLLMEngine(VLLMWeightUpdates):
             if not completed:
                 fut.cancel()
                 self.abort(rid)
+
+    async def score(
+        self,
+        token_ids: Sequence[int],
+        images: Sequence[np.ndarray] | None = None,
+        *,
+        start: int = 1,
+    ) -> list[float]:
+        """The model's log-probs of `token_ids[start:]` (`Engine.score`): vLLM's prompt
+        logprobs of a request that prefills the sequence and samples one token (max_tokens=1,
+        greedy), which are raw log-softmax values whatever `logprobs_mode` is (vLLM 0.32's
+        `Sampler.compute_logprobs`). The sequence needs room for that one token."""
+        ids = check_score(token_ids, start, vocab_size=self.vocab_size,
+                          max_context=self._max_context - 1)
+        rid = uuid.uuid4().hex
+        fut = asyncio.run_coroutine_threadsafe(self._score(ids, images, rid), self._loop)
+        try:
+            return score_from_prompt_logprobs(await asyncio.wrap_future(fut), ids, start)
+        except asyncio.CancelledError:
+            fut.cancel()
+            self.abort(rid)
+            raise
+
+    async def _score(self, ids: list[int], images: Any, rid: str) -> Any:
+        """Runs on the vLLM loop: the finished request's output."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = VSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0,
+                                 output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        async for out in self.llm.generate(prompt=self._prompt(ids, images),
+                                           sampling_params=params, request_id=rid):
+            final = out
+        return final
 
     def _check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         prompt = check_request(

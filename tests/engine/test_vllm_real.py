@@ -144,6 +144,25 @@ def test_rollout_logprobs_match_a_transformers_forward(engine, model, tiny_token
     assert len({tuple(t.token_ids) for t in trajs}) == 4
 
 
+async def test_score_is_a_transformers_forward(engine, model, tiny_tokenizer):
+    """The prefill-only score (prompt logprobs of a max_tokens=1 request): raw log-probs of
+    every token after `start`, a transformers forward's, several scored together."""
+    prompts = [tiny_tokenizer.encode(t) for t in ("What is 2 + 3?", "hello world, again")]
+    [c] = await engine.generate(prompts[0], SamplingParams(temperature=1.0, max_tokens=8, seed=1))
+    seqs = [prompts[0] + c.token_ids, prompts[1]]
+    starts = [len(prompts[0]), 1]
+    got = await asyncio.gather(*(engine.score(s, start=k) for s, k in zip(seqs, starts)))
+    raw = SamplingParams(temperature=1.0)
+    for s, k, g in zip(seqs, starts, got, strict=True):
+        want = _reference(model, s, range(k, len(s)), raw)
+        assert len(g) == len(s) - k
+        assert max(abs(a - b) for a, b in zip(g, want, strict=True)) < TOL
+    # At temperature 1 the sampler reported the same numbers for its own tokens.
+    assert max(abs(a - b) for a, b in zip(got[0], c.logprobs, strict=True)) < TOL
+    with pytest.raises(ValueError, match=r"score\(start=0\) must be in"):
+        await engine.score(seqs[1], start=0)
+
+
 async def test_completions_streams_and_greedy_copies(engine, model, tiny_tokenizer):
     prompt = tiny_tokenizer.encode("What is 2 + 3?")
     params = SamplingParams(temperature=1.0, max_tokens=12, n=3, seed=7, top_logprobs=2)
