@@ -166,58 +166,85 @@ class SqliteSessionStore(InMemorySessionStore):
     # -- reading ----------------------------------------------------------------------------
 
     def _replay(self) -> int:
-        """Rebuild the sessions from the log; returns how many there are. An event that cannot
-        be read back (not JSON, a reward since refused, ...) is skipped and flagged on its
-        session, which is served and exported with the rest: one bad row must not take the
-        store, or any other session, down with it (#34)."""
-        rows = self._db.execute("SELECT seq, session, kind, body FROM events ORDER BY seq")
-        for seq, sid, kind, body in rows:
-            try:
-                self._apply(sid, kind, json.loads(body))
-            except Exception as e:  # noqa: BLE001 - whatever a row holds spoils one session
-                self._skip(seq, sid, kind, e)
+        """Rebuild the sessions from the log; returns how many there are (`_replay_into`)."""
+        _replay_into(self, self._db, self.path)
         for session in self._sessions.values():  # Journal only what happens from now on.
             session.journal = functools.partial(self._append, session.id)
         return len(self._sessions)
 
-    def _apply(self, sid: str, kind: str, data: Any) -> None:
-        """One event of the log, through the same `Session` methods that made it."""
-        if kind == "create":
-            super().create(sid, group=data["group"], info=data["info"]).created = (
-                data["created"])
-            return
-        session = self._sessions.get(sid)
-        if kind == "delete":
-            super().delete(sid)
-        elif session is None:
-            log.warning("session store %s: %s event for unknown session %r ignored",
-                        self.path, kind, sid)
-        elif kind == "call":
-            session.record(_decode_call(data))
-        elif kind == "reward":
-            session.add_reward(data["value"], call_id=data["call_id"],
-                               choice=data["choice"], terminated=data["terminated"],
-                               truncated=data["truncated"], info=data["info"])
-        elif kind == "close":
-            session.close()
 
-    def _skip(self, seq: int, sid: str, kind: str, error: Exception) -> None:
-        """Flag the session of an event that could not be replayed (made if its very creation
-        failed, so that what follows still has a session to go to)."""
-        if isinstance(error, json.JSONDecodeError):
-            reason = f"its body is not JSON ({error})"
-        else:
-            reason = f"{type(error).__name__}: {error}"
-        message = f"event {seq} ({kind}) could not be read back and was skipped: {reason}"
-        log.warning("session store %s: session %r: %s", self.path, sid, message)
-        session = self._sessions.get(sid)
-        if session is None and kind == "create":
-            try:
-                session = super().create(sid)
-            except (KeyError, ValueError):  # an id no session may have
-                return
-        if session is not None:
-            session.flag(message)
+def read_sessions(path: str | Path) -> list[Session]:
+    """The sessions of a store file, read without taking it: a running server may hold it
+    (`agentrl view` reads it beside `agentrl serve`). The log is replayed into memory through
+    the same `Session` methods; nothing is written to the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise StoreError(f"{path} is not a session store file (no such file)")
+    try:
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            store = InMemorySessionStore()
+            _replay_into(store, db, path)
+        finally:
+            db.close()
+    except sqlite3.Error as e:
+        raise StoreError(f"cannot read the session store {path}: {e}") from None
+    return store.list()
+
+
+def _replay_into(store: InMemorySessionStore, db: sqlite3.Connection, path: Path) -> None:
+    """Apply the log's events to `store` in order. An event that cannot be read back (not
+    JSON, a reward since refused, ...) is skipped and flagged on its session, which is served
+    and exported with the rest: one bad row must not take the store, or any other session,
+    down with it (#34)."""
+    rows = db.execute("SELECT seq, session, kind, body FROM events ORDER BY seq")
+    for seq, sid, kind, body in rows:
+        try:
+            _apply(store, path, sid, kind, json.loads(body))
+        except Exception as e:  # noqa: BLE001 - whatever a row holds spoils one session
+            _skip(store, path, seq, sid, kind, e)
+
+
+def _apply(store: InMemorySessionStore, path: Path, sid: str, kind: str, data: Any) -> None:
+    """One event of the log, through the same `Session` methods that made it (the in-memory
+    store's own `create` and `delete`: replaying journals nothing)."""
+    if kind == "create":
+        InMemorySessionStore.create(store, sid, group=data["group"], info=data["info"]).created = (
+            data["created"])
+        return
+    session = store.get(sid)
+    if kind == "delete":
+        InMemorySessionStore.delete(store, sid)
+    elif session is None:
+        log.warning("session store %s: %s event for unknown session %r ignored", path, kind, sid)
+    elif kind == "call":
+        session.record(_decode_call(data))
+    elif kind == "reward":
+        session.add_reward(data["value"], call_id=data["call_id"],
+                           choice=data["choice"], terminated=data["terminated"],
+                           truncated=data["truncated"], info=data["info"])
+    elif kind == "close":
+        session.close()
+
+
+def _skip(store: InMemorySessionStore, path: Path, seq: int, sid: str, kind: str,
+          error: Exception) -> None:
+    """Flag the session of an event that could not be replayed (made if its very creation
+    failed, so that what follows still has a session to go to)."""
+    if isinstance(error, json.JSONDecodeError):
+        reason = f"its body is not JSON ({error})"
+    else:
+        reason = f"{type(error).__name__}: {error}"
+    message = f"event {seq} ({kind}) could not be read back and was skipped: {reason}"
+    log.warning("session store %s: session %r: %s", path, sid, message)
+    session = store.get(sid)
+    if session is None and kind == "create":
+        try:
+            session = InMemorySessionStore.create(store, sid)
+        except (KeyError, ValueError):  # an id no session may have
+            return
+    if session is not None:
+        session.flag(message)
 
 
 def _lock(path: Path) -> Any:
