@@ -46,7 +46,14 @@ class RolloutArgs(EpisodeOptions):
     seed: int = 0
     """First reset seed; also seeds sampling, so a rerun gives the same file."""
     out: Path = Path("rollouts.jsonl")
-    """Where to write the trajectories."""
+    """Where to write the trajectories (their images, e.g. screenshots, as PNG files in
+    images/ beside it)."""
+    env_kwargs: str = "{}"
+    """The env's constructor arguments as JSON, e.g. MiniWoB-v0's '{"observation":
+    "screenshot"}' (`help(gym.spec(ID).kwargs["target"])` lists them)."""
+    task: str | None = None
+    """The env's `task` argument, for envs that take one: MiniWoB-v0's --task
+    click-button,enter-text (a task, a suite or a comma list)."""
 
     def __post_init__(self) -> None:
         if not validation_deferred():
@@ -73,10 +80,13 @@ def run(args: RolloutArgs) -> int:
     from agentrl.envs import resolve_env_id
     from agentrl.models import load_tokenizer
     from agentrl.rollout import collect_sync
-    from agentrl.trajectory_files import save_jsonl
+    from agentrl.rollout.evaluate import env_arguments, preflight_env
+    from agentrl.trajectory_files import image_dir_of, save_jsonl
 
     try:
         env_id = resolve_env_id(args.env)
+        kwargs = env_arguments(env_id, args.env_kwargs, task=args.task)
+        preflight_env(args.env, env_id, kwargs)
         sampling = args.sampling()
         tokenizer = load_tokenizer(args.model)
         engine = args.open_engine(args.model, tokenizer)
@@ -87,7 +97,7 @@ def run(args: RolloutArgs) -> int:
         start = time.perf_counter()
         trajs = collect_sync(
             engine,
-            lambda: gym.make(env_id, tokenizer=tokenizer),
+            lambda: gym.make(env_id, tokenizer=tokenizer, **kwargs),
             num_prompts=args.prompts,
             n_samples_per_prompt=args.samples,
             sampling=sampling,
@@ -99,6 +109,7 @@ def run(args: RolloutArgs) -> int:
         )
     elapsed = time.perf_counter() - start
     n = save_jsonl(trajs, args.out)
+    images = sum(len(t.images) for t in trajs)
     tokens = sum(t.num_policy_tokens for t in trajs)
     errors = sum("error" in t.info for t in trajs)
     mean_reward = sum(t.total_reward for t in trajs) / max(len(trajs), 1)
@@ -107,5 +118,6 @@ def run(args: RolloutArgs) -> int:
         f"mean reward {mean_reward:.3f}, {tokens} sampled tokens in {elapsed:.1f}s "
         f"({tokens / max(elapsed, 1e-9):.1f} tok/s)" + (f", {errors} env errors" if errors else "")
     )
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out}" + (f" and its {images} images (in {image_dir_of(args.out)})"
+                                 if images else ""))
     return 0

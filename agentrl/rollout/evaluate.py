@@ -204,6 +204,27 @@ def score(trajectories: Sequence[Trajectory], k: int) -> EvalResult:
     )
 
 
+def score_by_task(trajectories: Sequence[Trajectory], k: int) -> dict[str, EvalResult]:
+    """`score` of each task's episodes, for envs that name an episode's task in
+    `info["task"]` (MiniWoB-v0); {} when none does. Discarded episodes count with their task
+    where they name it."""
+    tasks: dict[str, list[Trajectory]] = {}
+    for segments in by_episode(trajectories):
+        task = segments[-1].info.get("task")
+        if task is not None:
+            tasks.setdefault(str(task), []).extend(segments)
+    return {task: score(trajs, k) for task, trajs in sorted(tasks.items())}
+
+
+def task_lines(by_task: dict[str, EvalResult]) -> list[str]:
+    """One line per task: pass@1 with its 95% Wilson interval over the task's problems."""
+    width = max((len(t) for t in by_task), default=0)
+    return [f"  {task:<{width}}  pass@1 {r.pass_at_1:.3f} {format_interval(r.pass_at_1_interval)}"
+            f" (95%) on {r.num_problems} problems"
+            + (f", {r.num_discarded} discarded" if r.num_discarded else "")
+            for task, r in by_task.items()]
+
+
 def _whole(segments: list[Trajectory]) -> Trajectory:
     """An episode's segments as one trajectory for scoring: the last one's, with every
     segment's turns' rewards (its tokens are not the episode's; only rewards and info count)."""
@@ -292,6 +313,10 @@ class EvalArgs(EpisodeOptions):
     """The env's constructor arguments as JSON: its own options, e.g. math-tir's
     '{"tasks": "gsm_symbolic", "difficulty": "medium", "max_turns": 3}' or
     '{"data_path": "problems.jsonl"}' (`help(gym.spec(ID).kwargs["target"])` lists them)."""
+    task: str | None = None
+    """The env's `task` argument, for envs that take one: MiniWoB-v0's --task
+    click-button,enter-text (a task, a suite or a comma list). Success is then also reported
+    per task."""
     out: Path | None = None
     """Write the trajectories here as JSON lines."""
 
@@ -307,17 +332,47 @@ class EvalArgs(EpisodeOptions):
 
 def env_kwargs_for(args: EvalArgs, env_id: str) -> dict[str, Any]:
     """Constructor arguments for `env_id`: split and data options only if it takes them."""
+    return env_arguments(env_id, args.env_kwargs, task=args.task, split=args.split)
+
+
+def env_arguments(env_id: str, env_kwargs: str, *, task: str | None = None,
+                  split: str | None = None) -> dict[str, Any]:
+    """An env's constructor arguments from the --env_kwargs JSON, --task and a split (passed
+    only if the env takes one); a ValueError naming the flag for what the env cannot take."""
     try:
-        extra = json.loads(args.env_kwargs)
+        extra = json.loads(env_kwargs)
     except json.JSONDecodeError as e:
         raise ValueError(f"--env-kwargs must be a JSON object: {e}") from e
     if not isinstance(extra, dict):
         raise ValueError(  # noqa: TRY004 - a bad flag value
-            f"--env-kwargs must be a JSON object, got {args.env_kwargs!r}"
+            f"--env-kwargs must be a JSON object, got {env_kwargs!r}"
         )
     accepted = _constructor_params(env_id)
-    split = {"split": args.split} if accepted is None or "split" in accepted else {}
-    return {**split, **extra}
+    if task is not None:
+        if accepted is not None and "task" not in accepted:
+            raise ValueError(f"--task {task!r}: {env_id} takes no task argument (its arguments: "
+                             f"{', '.join(sorted(accepted - {'self'})) or 'none'}); use "
+                             f"--env_kwargs for its own options")
+        if extra.get("task", task) != task:
+            raise ValueError(f"--task {task!r} and --env_kwargs' task {extra['task']!r} "
+                             f"differ: give one")
+        extra["task"] = task
+    takes_split = split is not None and (accepted is None or "split" in accepted)
+    return {**({"split": split} if takes_split else {}), **extra}
+
+
+def preflight_env(env: str, env_id: str, kwargs: dict[str, Any]) -> None:
+    """The env class's `preflight(**kwargs)`, if it has one: the checks of building it that
+    start nothing (MiniWoB: Chromium and its driver installed, the task names), so that what
+    is missing is one line (a ValueError naming --env) before a model loads."""
+    from agentrl.envs.registry import env_factory
+
+    preflight = getattr(env_factory(env_id), "preflight", None)
+    if callable(preflight):
+        try:
+            preflight(**kwargs)
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"--env {env}: {e}") from None
 
 
 def _constructor_params(env_id: str) -> set[str] | None:
@@ -389,6 +444,7 @@ def run(args: EvalArgs) -> int:
     try:
         env_id = resolve_env_id(args.env)
         kwargs = env_kwargs_for(args, env_id)
+        preflight_env(args.env, env_id, kwargs)
         tokenizer = load_tokenizer(args.model)
         gym.make(env_id, tokenizer=tokenizer, **kwargs).close()  # fail fast on bad options
         engine = args.open_engine(args.model, tokenizer)
@@ -406,6 +462,10 @@ def run(args: EvalArgs) -> int:
         )
     print(f"{env_id} ({args.split}) with {args.model}, temperature {args.temperature}: "
           f"{result.summary()}")
+    by_task = score_by_task(result.trajectories, args.k)
+    if args.task is not None or len(by_task) > 1:
+        print("per task (95% Wilson intervals over each task's problems):")
+        print("\n".join(task_lines(by_task)))
     if args.out is not None:
         save_jsonl(result.trajectories, args.out)
         print(f"wrote {len(result.trajectories)} trajectories to {args.out}")

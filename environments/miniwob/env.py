@@ -4,7 +4,9 @@ text models (`dom`), as screenshots for vision-language models (`screenshot`), o
     env = gym.make("agentrl/MiniWoB-v0", task="click-basics", observation="dom")
 
 Each episode is one task (a name, or one drawn from a suite or list, see `tasks.py`; or
-`reset(options={"task": name})`) started from a seed, so the same seed gives the same page.
+`reset(options={"task": name})`; with `options={"index": i}`, as `agentrl eval` numbers its
+problems, task i mod their number, so each task gets its share) started from a seed, so the
+same seed gives the same page.
 Every turn the policy sees the task's instruction and the page, and answers with one action in
 the grammar of `actions.py` (`click(ref)`, `click(x, y)`, `type(ref, "text")`, `key("Enter")`,
 `scroll(dx, dy)`, `done()`). An answer that is not an action, or an action the page cannot
@@ -52,7 +54,7 @@ from agentrl.envs.template import Message
 from environments.miniwob import actions as act
 from environments.miniwob.browser import ActionError, Browser, BrowserError, find_browser
 from environments.miniwob.dom import Box, render_page
-from environments.miniwob.page import HEIGHT, WIDTH, TaskPage, Verdict
+from environments.miniwob.page import HEIGHT, WIDTH, Look, TaskPage, Verdict
 from environments.miniwob.pool import browser_pool
 from environments.miniwob.tasks import resolve_tasks, task_names
 
@@ -156,7 +158,10 @@ class MiniWoBEnv(ChatEnv):
         if seed is not None or getattr(self, "np_random", None) is None:
             self.np_random = np.random.default_rng(seed)  # the token bridge seeds it the same
         task = (options or {}).get("task")
-        if task is None:
+        index = (options or {}).get("index")
+        if task is None and index is not None:  # `agentrl eval`'s problem i: task i mod n
+            task = self.tasks[int(index) % len(self.tasks)]
+        elif task is None:
             task = self.tasks[int(self.np_random.integers(len(self.tasks)))]
         elif task not in task_names():
             resolve_tasks(task)  # raises with a did-you-mean
@@ -201,33 +206,48 @@ class MiniWoBEnv(ChatEnv):
         assert page is not None
         ep.turn += 1
         ep.answers.append(answer)
+        clock = None
         if self.clock == "steps":
             ep.clock_ms += round(self.step_s * 1000)
             if ep.clock_ms >= ep.limit_ms:
                 page.end("timed out")
             else:
-                page.set_clock(ep.clock_ms)
-        verdict = page.verdict()
-        feedback = None
+                clock = ep.clock_ms
+        verdict = page.verdict(clock)
+        feedback, look = None, None
         if not verdict.done:  # the time may have run out (clock="wall") while the policy thought
             action = act.parse_action(answer)
             if isinstance(action, act.Done):
                 page.end("done() before the task ended")
+                verdict = page.verdict()
             else:
-                feedback = action if isinstance(action, str) else self._do(ep, action, answer)
-            verdict = page.verdict()
+                click = None
+                if isinstance(action, str):
+                    feedback = action
+                else:
+                    feedback, click = self._do(ep, action, answer)
+                try:
+                    look = self._observe(ep, with_image=not replay, click=click)
+                    why = look.click_error
+                except ActionError as e:  # the page refused the click: look again without it
+                    look, why = self._observe(ep, with_image=not replay), str(e)
+                if why is not None:
+                    feedback = f"{act.action_line(answer)} failed: {why}"
+                verdict = look.verdict
         if verdict.done:
             return self._finish(ep, verdict, terminated=True)
         if self.max_turns is not None and ep.turn >= self.max_turns:
             page.end("turn budget ran out")
             return self._finish(ep, page.verdict(), terminated=False)
-        text, image = self._look(ep, with_image=not replay)
+        assert look is not None  # the task runs, so this turn looked at it
+        text, image = self._render(ep, look)
         if feedback:
             text = f"{feedback}\n{text}"
         return [self._message(text, image)], 0.0, False, False, self._info(ep)
 
-    def _do(self, ep: _Episode, action: act.Action, answer: str) -> str | None:
-        """Act on the page; None, or feedback saying why the action could not be done."""
+    def _do(self, ep: _Episode, action: act.Action, answer: str) -> tuple[str | None, int | None]:
+        """Act on the page: (None, or feedback saying why the action could not be done; the
+        element to click in the turn's look, which clicks and looks in one call)."""
         page = self._page
         assert page is not None
         shown = act.action_line(answer)
@@ -236,29 +256,37 @@ class MiniWoBEnv(ChatEnv):
                     and action.ref in ep.options and self.observation != "screenshot"):
                 # A select takes its option by name (typing into one is the browser's guess).
                 why = page.select_option(action.ref, action.text)
-                return None if why is None else f"{shown} failed: {why}; its options are " \
-                    f"listed after it."
+                return (None if why is None else f"{shown} failed: {why}; its options are "
+                        f"listed after it."), None
             if isinstance(action, act.ClickRef | act.Type) and action.ref is not None:
                 why = self._click_ref(ep, action.ref)
                 if why is not None:
-                    return f"{shown} failed: {why}"
+                    return f"{shown} failed: {why}", None
+                if isinstance(action, act.ClickRef) and action.ref > 0:
+                    return None, action.ref
             if isinstance(action, act.ClickAt):
                 if not (0 <= action.x < WIDTH and 0 <= action.y < HEIGHT):
                     return (f"{shown} failed: ({action.x}, {action.y}) is off the screen, which "
-                            f"is {WIDTH} x {HEIGHT} pixels.")
+                            f"is {WIDTH} x {HEIGHT} pixels."), None
                 page.click_at(action.x, action.y)
                 ep.pointer = (action.x, action.y)
             elif isinstance(action, act.Type):
+                if action.ref is not None and action.ref > 0:
+                    why = page.click_element(action.ref)
+                    if why is not None:
+                        return f"{shown} failed: {why}", None
                 page.type_text(action.text)
             elif isinstance(action, act.Key):
                 page.press(action.key)
             elif isinstance(action, act.Scroll):
                 page.scroll(*ep.pointer, action.dx, action.dy)
         except ActionError as e:
-            return f"{shown} failed: {e}"
-        return None
+            return f"{shown} failed: {e}", None
+        return None, None
 
     def _click_ref(self, ep: _Episode, ref: int) -> str | None:
+        """Why `ref` cannot be clicked, or None; a run of text is clicked here (at its centre),
+        an element by the caller."""
         page = self._page
         assert page is not None
         if self.observation == "screenshot":
@@ -268,7 +296,7 @@ class MiniWoBEnv(ChatEnv):
             return f"there is no element [{ref}] on the page; use a ref from the latest listing."
         ep.pointer = box.centre
         if ref > 0:
-            return page.click_element(ref)
+            return None
         # A run of text (a negative ref) is no element of its own: click at its centre.
         x, y = box.centre
         if not (0 <= x < WIDTH and 0 <= y < HEIGHT):
@@ -305,17 +333,25 @@ class MiniWoBEnv(ChatEnv):
         return self._look(ep)
 
     def _look(self, ep: _Episode, *, with_image: bool = True) -> tuple[str, np.ndarray | None]:
+        """The page as the policy sees it now."""
+        return self._render(ep, self._observe(ep, with_image=with_image))
+
+    def _observe(self, ep: _Episode, *, with_image: bool, click: int | None = None) -> Look:
         page = self._page
         assert page is not None
-        dom = self.observation != "screenshot"
-        utterance, seen, image = page.look(dom, with_image and self.observation != "dom")
-        text = f"Task: {utterance}"
-        if seen is not None:
-            root, notes = seen
+        return page.look(self.observation != "screenshot",
+                         with_image and self.observation != "dom", click)
+
+    def _render(self, ep: _Episode, look: Look) -> tuple[str, np.ndarray | None]:
+        """The observation's text (the listing's refs and selects are kept for the next
+        action) and image."""
+        text = f"Task: {look.utterance}"
+        if look.seen is not None:
+            root, notes = look.seen
             lines, ep.boxes = render_page(root, WIDTH, HEIGHT, notes)
             ep.options = {ref: list(opts) for ref, opts in notes.options.items()}
             text += "\nPage:\n" + ("\n".join(lines) or "(no text or field on the screen)")
-        return text, image
+        return text, look.image
 
     def _message(self, text: str, image: np.ndarray | None) -> Message:
         if image is None:

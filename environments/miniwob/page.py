@@ -4,7 +4,7 @@ on it, read its verdict. The page-side protocol is MiniWoB++'s own `core.js` (th
 
 The task's clock. MiniWoB++ ends an episode with reward -1 when its time limit (10 s for most
 tasks) passes, and scales a positive reward by the time left. `park_clock` stops that clock's
-timer: the episode then runs on the clock its user keeps, which `set_clock` and `time_out`
+timer: the episode then runs on the clock its user keeps, which `verdict(clock_ms)` and `end`
 apply (see `MiniWoBEnv`'s `clock`).
 """
 
@@ -41,6 +41,10 @@ if (arguments[3]) {
 # A parked timer stays set (a dummy one): core.endEpisode rewards nothing once it is null.
 
 _LOOK = """
+var click = arguments[1] === null ? null : core.elementClick(arguments[1]);
+var verdict = [WOB_DONE_GLOBAL, WOB_REWARD_GLOBAL, WOB_RAW_REWARD_GLOBAL,
+               WOB_REWARD_REASON == null ? null : String(WOB_REWARD_REASON)];
+if (verdict[0]) return [click, verdict, null, null];
 var info = arguments[0] ? core.getDOMInfo() : null;
 // What the listing adds (dom.py's Notes): labels, a select's value and options, and which
 // elements without text react to a click (a handler of their own, or a pointer cursor).
@@ -62,8 +66,9 @@ var info = arguments[0] ? core.getDOMInfo() : null;
   }
   node.children.forEach(note);
 })(info);
-return [core.getUtterance(), info];
+return [click, verdict, core.getUtterance(), info];
 """
+# One round trip a turn: the click (if any), the verdict, and the page while the task runs.
 
 _SELECT = """
 var el = core.previousDOMInfo[arguments[0]];
@@ -80,8 +85,11 @@ for (var i = 0; i < el.options.length; i++) {
 return "it has no option " + JSON.stringify(arguments[1]);
 """
 
-_VERDICT = ("return [WOB_DONE_GLOBAL, WOB_REWARD_GLOBAL, WOB_RAW_REWARD_GLOBAL, "
-            "WOB_REWARD_REASON == null ? null : String(WOB_REWARD_REASON)];")
+_VERDICT = """
+if (arguments[0] !== null) core.ept0 = new Date().getTime() - arguments[0];
+return [WOB_DONE_GLOBAL, WOB_REWARD_GLOBAL, WOB_RAW_REWARD_GLOBAL,
+        WOB_REWARD_REASON == null ? null : String(WOB_REWARD_REASON)];
+"""
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,23 @@ class Verdict:
     reward: float
     raw_reward: float
     reason: str | None
+
+
+@dataclass(frozen=True)
+class Look:
+    """What `TaskPage.look` saw: the verdict, and while the task runs, the instruction, the
+    DOM with its notes, the screenshot; and why the click it was asked to make failed."""
+
+    verdict: Verdict
+    utterance: str
+    seen: tuple[DOMElement, Notes] | None
+    image: np.ndarray | None
+    click_error: str | None = None
+
+
+def _verdict(row: list[Any]) -> Verdict:
+    done, reward, raw, reason = row
+    return Verdict(bool(done), float(reward), float(raw), reason)
 
 
 class TaskPage:
@@ -151,32 +176,32 @@ class TaskPage:
             time.sleep(0.02)
         return limit
 
-    def verdict(self) -> Verdict:
-        done, reward, raw, reason = self.browser.run(
-            "reading the reward", lambda: self.driver.execute_script(_VERDICT))
-        return Verdict(bool(done), float(reward), float(raw), reason)
-
-    def set_clock(self, elapsed_ms: int) -> None:
-        """Make the task's clock read `elapsed_ms` since the episode started (a parked clock:
-        for the time factor of the reward the task gives next)."""
-        self.browser.run("setting the clock", lambda: self.driver.execute_script(
-            "core.ept0 = new Date().getTime() - arguments[0];", elapsed_ms))
+    def verdict(self, clock_ms: int | None = None) -> Verdict:
+        """The episode's verdict; with `clock_ms`, first make the task's (parked) clock read
+        that many ms since the episode started, for the time factor of the reward it gives
+        next."""
+        return _verdict(self.browser.run("reading the reward", lambda: self.driver.execute_script(
+            _VERDICT, clock_ms)))
 
     def end(self, reason: str) -> None:
         """End the episode as MiniWoB++ ends one whose time ran out: reward -1."""
         self.browser.run("ending the episode", lambda: self.driver.execute_script(
             "core.endEpisode(-1, false, arguments[0]);", reason))
 
-    def look(self, dom: bool, screenshot: bool) -> tuple[
-            str, tuple[DOMElement, Notes] | None, np.ndarray | None]:
-        """The task's instruction, the page's DOM with what the listing adds to it (if asked)
-        and a screenshot (if asked)."""
+    def look(self, dom: bool, screenshot: bool, click: int | None = None) -> Look:
+        """Click the element `click` of the latest DOM listing (if given), then the verdict
+        and, while the task runs, its instruction, its DOM with what the listing adds (if
+        asked) and a screenshot (if asked). One round trip but for the screenshot."""
         from miniwob.dom import DOMElement  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
-        utterance, info = self.browser.run("reading the page", lambda: self.driver.execute_script(
-            _LOOK, dom))
+        clicked, verdict, utterance, info = self.browser.run(
+            "reading the page", lambda: self.driver.execute_script(_LOOK, dom, click))
+        why = None if click is None or clicked is True else str(clicked)
+        if verdict[0]:
+            return Look(_verdict(verdict), "", None, None, why)
         image = self._screenshot() if screenshot else None
-        return str(utterance), ((DOMElement(info), Notes.of(info)) if info else None), image
+        seen = (DOMElement(info), Notes.of(info)) if info else None
+        return Look(_verdict(verdict), str(utterance), seen, image, why)
 
     def _screenshot(self) -> np.ndarray:
         from miniwob.screenshot import get_screenshot  # type: ignore[import-untyped, import-not-found, unused-ignore]

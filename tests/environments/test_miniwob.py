@@ -596,3 +596,93 @@ def test_a_page_that_does_not_load_is_a_discarded_episode_with_the_reason(
         num_prompts=1, sampling=SamplingParams(max_tokens=8))
     assert traj.discard and traj.truncated and not traj.turns
     assert re.search(reason, traj.info["error"]), traj.info
+
+
+# The commands: eval per task, rollout with screenshots, bad input before a model loads.
+
+
+def test_success_per_task_with_wilson_intervals():
+    from agentrl.rollout.evaluate import score_by_task, task_lines
+    from agentrl.types import Trajectory, Turn
+
+    def traj(i, task, correct, discard=False):
+        return Trajectory(token_ids=[1, 2], loss_mask=[0, 1], logprobs=[0.0, 0.0],
+                          turns=[Turn(obs_start=0, start=1, end=2, reward=1.0 if correct else -1)],
+                          info={"prompt_index": i, "task": task, "correct": correct},
+                          discard=discard)
+
+    trajs = [traj(0, "click-button", True), traj(2, "click-button", True),
+             traj(1, "focus-text", False), traj(3, "focus-text", False),
+             traj(5, "focus-text", True, discard=True)]
+    by_task = score_by_task(trajs, k=1)
+    assert list(by_task) == ["click-button", "focus-text"]
+    assert by_task["click-button"].pass_at_1 == 1.0 and by_task["focus-text"].pass_at_1 == 0.0
+    lines = task_lines(by_task)
+    assert lines == ["  click-button  pass@1 1.000 [0.342, 1.000] (95%) on 2 problems",
+                     "  focus-text    pass@1 0.000 [0.000, 0.658] (95%) on 2 problems, "
+                     "1 discarded"]
+    assert score_by_task([traj(0, None, True)], k=1) == {}
+
+
+def test_eval_and_rollout_refuse_bad_tasks_before_a_model_loads(monkeypatch, capsys, tmp_path):
+    pytest.importorskip("miniwob", reason="the task list is the miniwob package's")
+    from agentrl import models
+    from agentrl.cli import main
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model was loaded"))
+    monkeypatch.setattr(models, "load_tokenizer", lambda *a, **k: pytest.fail("tokenizer"))
+    assert main(["eval", "--env", "miniwob", "--task", "click-buton", "--model", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("agentrl eval: --env miniwob: unknown MiniWoB++ task 'click-buton'. "
+                          "Did you mean 'click-button'")
+    assert "Tasks (1" in err and err.count("\n") == 1  # one line, with the list
+    out = str(tmp_path / "r.jsonl")
+    assert main(["rollout", "--env", "reverse", "--task", "x", "--model", "tiny",
+                 "--out", out]) == 2
+    assert "--task 'x': agentrl/Reverse-v0 takes no task argument" in capsys.readouterr().err
+    monkeypatch.setenv("PATH", str(tmp_path))  # no chromium, no chromedriver
+    monkeypatch.delenv("MINIWOB_CHROME_BINARY", raising=False)
+    monkeypatch.delenv("MINIWOB_CHROMEDRIVER", raising=False)
+    assert main(["rollout", "--env", "miniwob", "--model", "tiny", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "apt-get install -y chromium chromium-driver" in err
+
+
+@browser
+def test_eval_reports_each_task_with_its_interval(capsys):
+    from agentrl.cli import main
+
+    rc = main(["eval", "--env", "miniwob", "--task", "click-button,focus-text", "--model",
+               "tiny", "--num-problems", "4", "--max_turns", "1", "--max_new_tokens", "4",
+               "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "agentrl/MiniWoB-v0 (eval) with tiny" in out and "on 4 problems" in out
+    lines = out.split("per task (95% Wilson intervals over each task's problems):\n")[1]
+    rows = re.findall(r"^  (\S+) +pass@1 (\d\.\d{3}) \[(\d\.\d{3}), (\d\.\d{3})\] \(95%\) on "
+                      r"(\d+) problems$", lines, flags=re.MULTILINE)
+    assert [r[0] for r in rows] == ["click-button", "focus-text"]
+    for _, rate, low, high, problems in rows:  # problem i is task i mod 2: two each
+        assert problems == "2" and float(low) <= float(rate) <= float(high)
+        assert float(high) - float(low) > 0.3  # 2 problems: wide, never "+- 0"
+
+
+@browser
+@pytest.mark.slow  # the first vision-language model's processor takes seconds to load
+def test_rollout_writes_the_screenshots(tmp_path, capsys):
+    from agentrl.cli import main
+    from agentrl.trajectory_files import load_jsonl
+
+    out = tmp_path / "r.jsonl"
+    rc = main(["rollout", "--env", "miniwob", "--task", "click-button", "--env_kwargs",
+               '{"observation": "screenshot"}', "--model", "tiny-qwen2-vl", "-n", "1",
+               "--prompts", "2", "--max_turns", "2", "--max_new_tokens", "4", "--out", str(out),
+               "--no-progress"])
+    assert rc == 0
+    trajs = load_jsonl(out)
+    assert len(trajs) == 2 and all(t.info["task"] == "click-button" for t in trajs)
+    images = [im for t in trajs for im in t.images]
+    assert len(images) >= 2 and all(im.pixels.shape == (210, 160, 3) for im in images)
+    assert all(im.pixels.std() > 10 for im in images)  # pages, not blanks
+    pngs = list((tmp_path / "images").glob("*.png"))
+    assert pngs and f"and its {len(images)} images" in capsys.readouterr().out
