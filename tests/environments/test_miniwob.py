@@ -1,9 +1,12 @@
-"""`agentrl/MiniWoB-v0` (#33 item 1): the action grammar and the page listing on their own, then
-a real headless Chromium: Gymnasium's checker, scripted episodes that solve tasks, malformed and
-impossible actions as feedback, the clocks and the turn budget, screenshots through the chat
-bridge, pickling mid-episode, and the browser as a resource (a hung page, a page that never
-loads, close() and a SIGKILLed parent leave no process behind). The browser tests skip, saying
-why, where Chromium, its driver or the Python packages are missing."""
+"""`agentrl/MiniWoB-v0` (#33): the action grammar and the page listing on their own (icons,
+swatches and selects included), then a real headless Chromium: Gymnasium's checker, scripted
+episodes that solve tasks, malformed and impossible actions as feedback, the clocks and the turn
+budget, screenshots through the chat bridge, pickling mid-episode, and the browsers as a pooled
+resource (reused without a start, one per concurrent episode, a dead one replaced, a crash or a
+page that never loads discarding only its episode in a rollout, close_pool() and a SIGKILLed
+parent leaving no process behind); then the commands (eval per task with Wilson intervals,
+rollout writing screenshots, bad input refused before a model loads). The browser tests skip,
+saying why, where Chromium, its driver or the Python packages are missing."""
 
 from __future__ import annotations
 
