@@ -58,7 +58,8 @@ def test_what_never_ran_on_a_gpu_is_plain():
 def test_the_algorithm_table_names_real_estimators():
     from agentrl.algorithms import ADVANTAGE_ESTIMATORS
 
-    rows = re.findall(r"^\| `([a-z_]+)` \|", _section(README.read_text(), "Algorithms"), re.M)
+    table = _section(README.read_text(), "Algorithms")
+    rows = re.findall(r"^\| `([a-z_]+)` \|", table, re.MULTILINE)
     assert len(rows) >= 6
     for name in rows:
         assert name in ADVANTAGE_ESTIMATORS, f"the README's table lists {name!r}, no estimator"

@@ -43,7 +43,7 @@ def run_page(name: str, tmp_path: Path, timeout: int = 600) -> list[str]:
     outputs = []
     for command in commands:
         done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, text=True,
-                              capture_output=True, timeout=timeout)
+                              capture_output=True, timeout=timeout, check=False)
         assert done.returncode == 0, f"{name}: `{command}` failed:\n{done.stderr[-3000:]}"
         outputs.append(done.stdout)
     return outputs
@@ -112,9 +112,10 @@ def test_vlm_and_gui(tmp_path):
 
 @pytest.mark.slow
 def test_sft_dpo_rl(tmp_path):
-    sft, dpo, rl = run_page("sft-dpo-rl.md", tmp_path)
-    for stage in ("sft", "dpo", "rl"):
+    outputs = run_page("sft-dpo-rl.md", tmp_path)
+    for stage, output in zip(("sft", "dpo", "rl"), outputs, strict=True):
         assert (tmp_path / stage / "hf").is_dir(), stage
+        assert f'"hf_model": "{stage}/hf"' in output, output[-500:]
     dpo_config = json.loads((tmp_path / "dpo" / "config.json").read_text())
     rl_config = json.loads((tmp_path / "rl" / "config.json").read_text())
     assert dpo_config["actor"]["model"] == "sft/hf" and rl_config["actor"]["model"] == "dpo/hf"
