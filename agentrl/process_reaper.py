@@ -9,7 +9,8 @@ SIGTERM, then SIGKILL after a grace period. Two kinds of targets:
 - `groups`: process groups the command registers on the pipe, `+PGID` when it starts one and
   `-PGID` once it has ended (`group_reaper()` below: `servers.agent_processes`' command agents
   and `environments.miniwob`'s browsers, each in a process group of its own). A group that is
-  not ours (its id reused by another user) is never a target.
+  not ours (its id reused by another user) is never a target. This reaper runs detached (no
+  child of the command), so that what ends a dead command's children cannot end it first.
 - `ray TEMP_DIR PID`: a private Ray cluster's processes (`trainers.ray_utils.init_ray`). Ray's
   fate sharing takes the GCS and the raylet down with the driver, but its dashboard and
   runtime-env agents poll for a minute before they notice, and workers may hang on. They are
@@ -102,19 +103,44 @@ def _signal(send: Callable[[int, int], None]) -> Callable[[int, int], None]:
 
 class GroupReaper:
     """The command's side of a `groups` reaper: started in a session of its own, told of each
-    process group the command starts (`watch`) and ends (`forget`)."""
+    process group the command starts (`watch`) and ends (`forget`).
+
+    The reaper is detached: its starter forks it and exits, so it is no child of the command.
+    Whatever ends a dead command's children (Ray's raylet does, for a worker that died with
+    its driver) then cannot end the reaper before it has reaped."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-I", __file__, "groups"],
-                                     stdin=subprocess.PIPE, start_new_session=True)
+        starter = subprocess.Popen([sys.executable, "-I", __file__, "groups", "--detach"],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   start_new_session=True)
+        assert starter.stdin is not None and starter.stdout is not None
+        try:
+            self.pid = int(starter.stdout.readline())
+        except ValueError:
+            starter.kill()
+            raise RuntimeError("the process reaper did not start") from None
+        finally:
+            starter.stdout.close()
+            starter.wait()
+        self.stdin = starter.stdin
         self.lock = threading.Lock()
         self.owner = os.getpid()  # a forked child starts its own
 
+    def alive(self) -> bool:
+        """Whether the reaper runs (its pid is a live process_reaper, not a reused pid)."""
+        try:
+            with open(f"/proc/{self.pid}/cmdline", "rb") as f:
+                if os.path.basename(__file__).encode() not in f.read():
+                    return False
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+
     def _send(self, line: str) -> None:
-        assert self.proc.stdin is not None
         with self.lock, contextlib.suppress(OSError):
-            self.proc.stdin.write(line.encode())
-            self.proc.stdin.flush()
+            self.stdin.write(line.encode())
+            self.stdin.flush()
 
     def watch(self, pgid: int) -> None:
         self._send(f"+{pgid}\n")
@@ -132,7 +158,7 @@ def group_reaper() -> GroupReaper:
     global _group_reaper
     with _group_reaper_lock:
         r = _group_reaper
-        if r is None or r.owner != os.getpid() or r.proc.poll() is not None:
+        if r is None or r.owner != os.getpid() or not r.alive():
             r = _group_reaper = GroupReaper()
         return r
 
@@ -145,14 +171,14 @@ def stop_group_reaper(timeout_s: float = 10.0) -> None:
         r, _group_reaper = _group_reaper, None
     if r is None or r.owner != os.getpid():
         return
-    assert r.proc.stdin is not None
     with r.lock, contextlib.suppress(OSError):
-        r.proc.stdin.close()
-    try:
-        r.proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        r.proc.kill()
-        r.proc.wait()
+        r.stdin.close()
+    deadline = time.monotonic() + timeout_s
+    while r.alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if r.alive():
+        with contextlib.suppress(OSError):
+            os.kill(r.pid, signal.SIGKILL)
 
 
 def kill_group(pgid: int) -> None:
@@ -170,7 +196,15 @@ def main(argv: list[str]) -> None:
         reap_ray(temp_dir, spare=command)
         return
     if argv[:1] != ["groups"]:
-        raise SystemExit(f"usage: {sys.argv[0]} groups | ray TEMP_DIR PID")
+        raise SystemExit(f"usage: {sys.argv[0]} groups [--detach] | ray TEMP_DIR PID")
+    if "--detach" in argv[1:]:  # fork the reaper, say its pid, and leave it (GroupReaper)
+        pid = os.fork()
+        if pid:
+            sys.stdout.write(f"{pid}\n")
+            sys.stdout.flush()
+            os._exit(0)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the starter's pipe: nobody reads it now
     groups: set[int] = set()
     for line in sys.stdin.buffer:  # Ends once the command is gone.
         text = line.strip()

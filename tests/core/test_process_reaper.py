@@ -27,14 +27,14 @@ def test_stopping_the_reaper_ends_its_groups_and_the_next_use_starts_another() -
         first = process_reaper.group_reaper()
         first.watch(child.pid)
         process_reaper.stop_group_reaper()
-        assert first.proc.poll() is not None, "the reaper is still running"
+        assert not first.alive(), "the reaper is still running"
         deadline = time.monotonic() + 10
         while _alive(child.pid) and time.monotonic() < deadline:
             child.poll()
             time.sleep(0.05)
         assert not _alive(child.pid), "the registered group outlived its reaper"
         second = process_reaper.group_reaper()
-        assert second is not first and second.proc.poll() is None
+        assert second is not first and second.alive()
     finally:
         child.kill()
         child.wait()

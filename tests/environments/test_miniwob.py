@@ -543,6 +543,59 @@ def test_a_killed_parent_leaves_no_browser_process(tmp_path):
     assert still_alive(sorted(set().union(*map(_naming, profiles))), within_s=3.0) == []
 
 
+_RAY_DRIVER = """
+import json, os, time
+from concurrent.futures import ThreadPoolExecutor
+import ray
+from trainers.ray_utils import init_ray
+init_ray(num_cpus=1)
+
+@ray.remote
+class Rollout:  # where a trainer's episodes, and so their browsers, run
+    def start(self):
+        from environments.miniwob.env import MiniWoBEnv
+        self.envs = [MiniWoBEnv(task="click-button") for _ in range(2)]
+        with ThreadPoolExecutor(2) as ex:
+            list(ex.map(lambda e: e.reset(seed=0), self.envs))
+        pids = sorted(p for e in self.envs for p in e._browser.processes())
+        profiles = [e._browser.profile for e in self.envs]
+        self.envs[1].close()  # idle in the pool
+        return [os.getpid(), pids, profiles]
+
+actor = Rollout.remote()
+print(json.dumps(ray.get(actor.start.remote())), flush=True)
+time.sleep(600)
+"""
+
+
+@browser
+@pytest.mark.ray
+@pytest.mark.slow  # a private Ray cluster starts in 10-30 s here
+def test_a_killed_trainer_leaves_no_browser_of_its_ray_workers():
+    """kill -9 of the driver: Ray's fate sharing ends its worker, whose group reaper then ends
+    the worker's browsers (in an episode and idle in the pool), and the cluster's reaper the
+    rest of Ray."""
+    from environments.miniwob.browser import _naming
+
+    ray_tmp = Path("/tmp") / f"agentrl-miniwob-kill-{os.getpid()}"
+    env = {**os.environ, "AGENTRL_RAY_TMP": str(ray_tmp), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", _RAY_DRIVER], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, cwd=Path(__file__).parents[2])
+    try:
+        worker, pids, profiles = json.loads(proc.stdout.readline())
+        assert len(pids) >= 6 and all(map(alive, [worker, *pids]))
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    try:
+        assert still_alive([worker, *pids], within_s=30.0) == []
+        assert still_alive(sorted(set().union(*map(_naming, profiles))), within_s=3.0) == []
+    finally:
+        import shutil
+
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
 @browser
 def test_a_hung_page_fails_the_episode_with_the_reason_and_the_next_reset_recovers():
     from environments.miniwob.env import MiniWoBEnv
