@@ -160,13 +160,20 @@ def test_same_seed_same_episode(env_id, tiny_tokenizer):
 @pytest.mark.parametrize("env_id", IDS)
 def test_pickle_roundtrip_mid_episode(env_id, tiny_tokenizer):
     env = _make(env_id, tiny_tokenizer)
-    env.reset(seed=3)
-    clone = pickle.loads(pickle.dumps(env))
-    action = np.asarray(tiny_tokenizer.encode("12", add_special_tokens=False), dtype=np.int64)
-    a = env.step(action)
-    b = clone.step(action)
-    assert a[0]["tokens"].tolist() == b[0]["tokens"].tolist()
-    assert a[1:4] == b[1:4]
+    try:
+        env.reset(seed=3)
+        clone = pickle.loads(pickle.dumps(env))
+        try:
+            action = np.asarray(tiny_tokenizer.encode("12", add_special_tokens=False),
+                                dtype=np.int64)
+            a = env.step(action)
+            b = clone.step(action)
+            assert a[0]["tokens"].tolist() == b[0]["tokens"].tolist()
+            assert a[1:4] == b[1:4]
+        finally:
+            clone.close()  # MiniWoB's copy holds a browser of its own
+    finally:
+        env.close()
 
 
 def test_agentrl_colon_id_imports_package():

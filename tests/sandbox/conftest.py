@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 
@@ -30,11 +31,24 @@ def no_other_children() -> None:
 
     from ._helpers import descendants
 
+    gc.collect()  # an env an earlier test dropped without close() gives its browser back
     stop_idle_workers()
     close_pool()
     stop_group_reaper()
     left = descendants(os.getpid())
-    assert not left, f"processes started by earlier tests are still running: {sorted(left)}"
+    assert not left, f"processes started by earlier tests are still running: {_named(left)}"
+
+
+def _named(pids: set[int]) -> list[str]:
+    import psutil
+
+    out = []
+    for pid in sorted(pids):
+        try:
+            out.append(f"{pid} {' '.join(psutil.Process(pid).cmdline())[:160]}")
+        except psutil.Error:
+            out.append(f"{pid} (gone)")
+    return out
 
 
 @pytest.fixture(scope="session")
