@@ -17,6 +17,7 @@ Only stdlib is imported here.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import Counter
 from collections.abc import Sequence
 
@@ -34,8 +35,8 @@ def turn_state_id(traj: Trajectory, turn: Turn) -> int:
     """The id of the state `turn` of `traj` acted from (module docstring); never 0."""
     if turn.state_key is not None:
         return _hash(b"key", turn.state_key.encode())
-    tokens = traj.token_ids[turn.obs_start : turn.start]
-    payload = b",".join(str(t).encode() for t in tokens)
+    tokens = array("q", traj.token_ids[turn.obs_start : turn.start])  # 8 bytes a token
+    payload = len(tokens).to_bytes(8, "little") + tokens.tobytes()
     for image in traj.images:
         if turn.obs_start <= image.start < turn.start:
             payload += b"|" + image.sha256.encode()
