@@ -34,7 +34,7 @@ from torch import Tensor
 
 import agentrl  # noqa: F401 - registers the env ids
 from agentrl import algorithms as A
-from agentrl.algorithms.gigpo import GROUP_NORM_EPS
+from agentrl.algorithms import gigpo as G
 from agentrl.anchors import state_ids
 from agentrl.completion import SamplingParams
 from agentrl.engine import create_engine
@@ -68,34 +68,22 @@ def tensors(trajs: list[Trajectory], pad_id: int) -> dict[str, Tensor]:
 
 def rtg_turn_advantages(rewards_BT: Tensor, mask_BT: Tensor, turns_BT: Tensor,
                         group_ids_B: Tensor) -> Tensor:
-    """Reward-to-go with a per-turn baseline (module docstring), by plain loops."""
-    B, T = mask_BT.shape
-    steps: list[list[tuple[list[int], float]]] = []
-    for b in range(B):
-        row, tokens = [], []
-        for t in range(T):
-            if mask_BT[b, t]:
-                tokens.append(t)
-                if turns_BT[b, t]:
-                    row.append((tokens, float(rewards_BT[b, t])))
-                    tokens = []
-        steps.append(row)
-    pools: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
-    for b, row in enumerate(steps):
-        g = 0.0
-        for k in reversed(range(len(row))):
-            g += row[k][1]
-            pools.setdefault((int(group_ids_B[b]), k), []).append((b, k, g))
-    out = torch.zeros(B, T)
-    for members in pools.values():
-        gs = [g for _, _, g in members]
-        if len(gs) < 2 or max(gs) == min(gs):
-            continue
-        mean = sum(gs) / len(gs)
-        std = (sum((g - mean) ** 2 for g in gs) / (len(gs) - 1)) ** 0.5
-        for b, k, g in members:
-            out[b, steps[b][k][0]] = (g - mean) / (std + GROUP_NORM_EPS)
-    return out
+    """Reward-to-go with a per-turn baseline (module docstring): GiGPO's step machinery with
+    undiscounted returns and the turn index for the state, every turn (the first too) compared
+    with the same turn of the group's other episodes."""
+    step_BT, num_steps_B = G.token_steps(turns_BT.long(), mask_BT)
+    K = int(num_steps_B.max()) if num_steps_B.numel() else 0
+    if K == 0:
+        return torch.zeros_like(rewards_BT)
+    rewards_BK = G.per_step(torch.where(mask_BT != 0, rewards_BT.double(), 0.0), step_BT, K)
+    returns_BK = G.step_returns(rewards_BK, num_steps_B, 1.0)
+    k_BK = torch.arange(K)[None, :].expand(len(num_steps_B), K)
+    keys_BK = torch.where(k_BK < num_steps_B[:, None], group_ids_B.long()[:, None] * K + k_BK, -1)
+    pools, anchor_flat = torch.unique(keys_BK, return_inverse=True)  # -1 (no turn) sorts first
+    anchor_BK = anchor_flat.reshape(keys_BK.shape) - int(bool((pools < 0).any()))
+    adv_BK = G.anchor_advantages(returns_BK, anchor_BK, int((pools >= 0).sum()))
+    adv_BK = torch.cat([adv_BK, adv_BK.new_zeros(adv_BK.shape[0], 1)], dim=1)  # "no step"
+    return adv_BK.gather(1, step_BT).to(rewards_BT.dtype)
 
 
 def advantages(method: str, x: dict[str, Tensor], group_ids_B: Tensor) -> Tensor:
