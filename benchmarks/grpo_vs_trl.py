@@ -262,8 +262,8 @@ def main() -> None:
         f"steps={args.steps} (median over steps 2..{args.steps}), rounds={args.rounds}, "
         f"cpus={os.cpu_count()}, device {args.device}, {precision}, gradient checkpointing: "
         f"agentrl {'on' if args.agentrl_gc else 'off'}, TRL {'off' if args.no_trl_gc else 'on'}"
-        f"\nCPU: {kernels.cpu_model()} "
-        f"[{kernels.vector_flags()}]; agentrl's CPU kernels in use: {calibrate.choice()}"
+        f"\nCPU: {kernels.cpu_model()} [{kernels.vector_flags()}]"
+        + (f"; agentrl's CPU kernels in use: {calibrate.choice()}" if args.device == "cpu" else "")
     )
     speedups, mem_ratios = [], []
     for k, res in enumerate(rounds):
