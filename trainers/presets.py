@@ -103,8 +103,8 @@ def kv_agent() -> TrainConfig:
     key-value lookups whose answers only the agent's tools can read (environments/kv_lookup:
     a random store per task), with the embedded SmolLM2-135M as its model. Evaluated before
     and after on 32 held-out tasks whose keys training never shows. Measured alone on a 2-core
-    AVX2 EPYC: held-out success 0.094 -> 0.969 in 15 min 42 s, 12 steps of ~62 s
-    (benchmarks/results/agent_headline.md, run r4).
+    AVX2 EPYC: held-out success 0.156 -> 0.938 in 13 min 58 s, 10 steps of ~60 s
+    (benchmarks/results/agent_headline.md, run r5).
     Without --agent (or --agent_cmd) the run is refused: the preset is the task, not the agent
     (so a direct caller builds it under agentrl.command_line.deferred_validation and sets
     `agent`, as `agentrl train` does)."""
@@ -116,7 +116,7 @@ def kv_agent() -> TrainConfig:
         algo=AlgoConfig(estimator="group_norm"),
         # max_new_tokens caps a call that sets no max_tokens (the example agents set 48).
         rollout=RolloutConfig(n_samples_per_prompt=4, prompts_per_step=4, max_new_tokens=48),
-        steps=12,
+        steps=10,
         micro_batch_size=8,
         eval_problems=32,
         eval_samples=1,
