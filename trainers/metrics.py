@@ -1,8 +1,11 @@
-"""Metrics: a JSON-lines file always, TensorBoard when available, Weights & Biases when a key is
-given (WANDB_API_KEY, or `wandb login`'s WANDB_MODE), a progress bar on stderr."""
+"""Metrics: a JSON-lines file always, TensorBoard when available, Weights & Biases when asked
+for (WANDB_API_KEY set, or WANDB_MODE=online after `wandb login`, or WANDB_MODE=offline, which
+needs no key and writes the run under RUN_DIR/wandb for a later `wandb sync`), a progress bar on
+stderr."""
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import math
@@ -19,6 +22,8 @@ class MetricsLogger:
                  progress: bool = True, config: dict | None = None) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # W&B first: a bad WANDB_MODE fails here, before any file or writer is open.
+        self._wandb = _start_wandb(Path(run_dir), config or {})
         self._file = self.path.open("a")
         self._tb = None
         if tensorboard:
@@ -28,7 +33,6 @@ class MetricsLogger:
                 self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
             except ImportError:  # tensorboard is optional at run time
                 self._tb = None
-        self._wandb = _start_wandb(Path(run_dir), config or {})
         self._bar = None
         if progress:
             from tqdm import tqdm
@@ -67,18 +71,33 @@ class MetricsLogger:
             self._wandb.finish()
 
 
+# WANDB_MODE values wandb.init accepts (wandb_settings.Settings.mode); "dryrun" is "offline" and
+# "run" is "online" under their old names.
+_WANDB_MODES = ("online", "offline", "dryrun", "run", "shared", "disabled")
+
+
 def _start_wandb(run_dir: Path, config: dict) -> Any:
-    """A W&B run when WANDB_API_KEY is set; a warning (not a crash) if wandb is missing."""
-    if not os.environ.get("WANDB_API_KEY"):
+    """A W&B run when WANDB_API_KEY is set or WANDB_MODE names a mode other than "disabled";
+    None otherwise, and a warning (not a crash) if wandb is missing. Offline mode needs no key or
+    network: the run is written to RUN_DIR/wandb (or WANDB_DIR) for `wandb sync` to upload."""
+    mode = os.environ.get("WANDB_MODE", "")  # as wandb.init reads it: no case folding
+    if mode and mode not in _WANDB_MODES:
+        close = difflib.get_close_matches(mode.strip().lower(), _WANDB_MODES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"WANDB_MODE={mode!r} is not a W&B mode{hint}: set it to offline (no "
+                         f"key needed), online or disabled, or unset it")
+    if mode == "disabled" or not (mode or os.environ.get("WANDB_API_KEY")):
         return None
     try:
         import wandb
     except ImportError:
-        logger.warning("WANDB_API_KEY is set but wandb is not installed (pip install wandb); "
-                       "metrics go to metrics.jsonl and TensorBoard only")
+        logger.warning("W&B logging was asked for (WANDB_API_KEY or WANDB_MODE) but wandb is not "
+                       "installed (pip install wandb); metrics go to metrics.jsonl and TensorBoard "
+                       "only")
         return None
+    # WANDB_DIR, when the user sets it, wins over the run directory (wandb.init reads it itself).
     return wandb.init(project=os.environ.get("WANDB_PROJECT", "agentrl"), name=run_dir.name,
-                      dir=str(run_dir), config=config)
+                      dir=None if os.environ.get("WANDB_DIR") else str(run_dir), config=config)
 
 
 def _num(v: Any) -> Any:
