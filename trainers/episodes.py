@@ -169,9 +169,9 @@ def _warn_capped(trajs: list[Trajectory], cap: int) -> None:
     capped = capped_calls(trajs, cap)
     if capped and not _cap_warned:
         _cap_warned = True
-        logger.warning("%d agent calls were cut at %d tokens, --rollout.max_new_tokens: the cap "
-                       "of a call that sets no max_tokens (raise it, or set max_tokens in the "
-                       "agent); counted each step as agent_calls_capped", capped, cap)
+        logger.warning("%d agent calls stopped at the %d-token limit: their own max_tokens, or "
+                       "--rollout.max_new_tokens for a call that sets none (raise the one that "
+                       "applies); counted each step as agent_calls_capped", capped, cap)
 
 
 _budget_warned = False
