@@ -44,7 +44,8 @@ class RolloutBatch:
     """[B] integer group of each sequence (same prompt, same group), numbered over the whole
     step (`agentrl.types.dense_group_ids`), so equal ids mean one group on every rank."""
     extras: dict[str, Tensor] = field(default_factory=dict)
-    """Filled during the step: old_logp, ref_logp, values, advantages, returns."""
+    """Filled during the step: old_logp, ref_logp, values, advantages, returns (and pass_logp,
+    the log-probs of an update's one pass, kept for the run's trained/ file)."""
     images: list[list[np.ndarray]] | None = None
     """Per row, its images in order (vision-language batches; None otherwise)."""
     spans: list[list[tuple[int, int]]] | None = None
@@ -94,6 +95,18 @@ class RolloutBatch:
         """Rows `idx` of a per-target tensor (a field or an extra), trimmed to `length - 1`."""
         t = self.extras[name] if name in self.extras else getattr(self, name)
         return t[idx, : length - 1]
+
+
+def per_token(batch: RolloutBatch, values_BT: Tensor) -> list[list[float]]:
+    """Each row's values at its policy tokens, in token order: what `collate` put at a
+    trajectory's trained tokens (`agentrl.trained_files.trained_tokens`), read back."""
+    mask_BT = batch.mask.bool().cpu()
+    flat = values_BT.detach().float().cpu()[mask_BT].tolist()
+    out, start = [], 0
+    for n in mask_BT.sum(dim=1).tolist():
+        out.append(flat[start : start + n])
+        start += n
+    return out
 
 
 _TENSOR_FIELDS = ("input_ids", "lengths", "mask", "rollout_logp", "rewards", "group_ids")

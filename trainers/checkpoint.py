@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from agentrl.files import partial_writes, replaced_atomically, write_atomically
+from agentrl.trained_files import TRAINED_DIR
 from agentrl.trajectory_files import load_jsonl, save_jsonl
 from agentrl.types import Trajectory
 
@@ -129,8 +130,8 @@ def set_aside_earlier_run(run_dir: str | Path) -> Path | None:
 def rewind_run_files(run_dir: str | Path, step: int) -> None:
     """Make the run's files read as one uninterrupted run up to `step` (the checkpoint a run
     resumes from): metrics.jsonl loses the lines of later steps (rewritten atomically), and
-    the rollouts and periodic evals of later steps are removed; the resumed run writes them
-    again."""
+    the rollouts (with their trained/ files) and periodic evals of later steps are removed;
+    the resumed run writes them again."""
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
@@ -138,7 +139,7 @@ def rewind_run_files(run_dir: str | Path, step: int) -> None:
         kept = [x for x in lines if x.strip() and json.loads(x).get("step", 0) <= step]
         if len(kept) != len(lines):
             write_atomically(metrics, "".join(kept))
-    for folder in ("rollouts", "evals"):
+    for folder in ("rollouts", TRAINED_DIR, "evals"):
         for f in (run_dir / folder).glob("step_*.jsonl"):
             if int(f.stem.removeprefix("step_")) > step:
                 f.unlink()

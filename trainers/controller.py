@@ -26,6 +26,7 @@ from typing import Any
 
 from agentrl.backends import NonFiniteLossError
 from agentrl.seeding import derive_seed
+from agentrl.trained_files import save_trained, trained_file_of
 from agentrl.trajectory_files import iter_jsonl, save_jsonl
 from trainers.checkpoint import (
     best_checkpoint,
@@ -213,10 +214,10 @@ class Trainer:
     def _train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         sampled, t_rollout = self._next_batch()
+        rollouts = self.run_dir / "rollouts" / f"step_{self.step + 1:06d}.jsonl"
         if self.cfg.save_rollouts:  # discarded episodes too: nothing sampled is lost
             assert sampled.trajectories is not None
-            save_jsonl(sampled.trajectories,
-                       self.run_dir / "rollouts" / f"step_{self.step + 1:06d}.jsonl")
+            save_jsonl(sampled.trajectories, rollouts)
         if sampled.num_kept < self.cfg.num_policy_workers:
             return self._bad_step(TrainingError(
                 f"{sampled.num_episodes - sampled.num_kept} of {sampled.num_episodes} episodes "
@@ -231,6 +232,8 @@ class Trainer:
             if not (isinstance(e, NonFiniteLossError) or isinstance(cause, NonFiniteLossError)):
                 raise
             return self._bad_step(e)
+        if self.cfg.save_rollouts:
+            self._save_trained(sampled, rollouts)
         self.step += 1
         self._sync_weights()
         if "kl" in metrics:
@@ -259,6 +262,14 @@ class Trainer:
         metrics = self._policy.call("train", trajs, self.kl_coef, group_ids)
         metrics.update(rollout)
         return metrics
+
+    def _save_trained(self, sampled: Sampled, rollouts: Path) -> None:
+        """The trainer's side of the step's rollouts file (`agentrl.trained_files`): each
+        policy rank's records of its slice of the batch, in rank order, joined by uid to the
+        file's lines (written as sampled, never rewritten)."""
+        assert sampled.trajectories is not None
+        records = [r for part in self._policy.call_all("trained") for r in part]
+        save_trained(trained_file_of(rollouts), sampled.trajectories, records)
 
     def _bad_step(self, error: Exception) -> dict[str, Any]:
         self.bad_steps += 1

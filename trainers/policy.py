@@ -36,9 +36,17 @@ from agentrl.backends.device import autocast
 from agentrl.backends.distributed import all_sum
 from agentrl.models.lora import adapters_off, is_lora, load_policy, merged_weights
 from agentrl.seeding import derive_seed
+from agentrl.trained_files import Trained
 from agentrl.types import Trajectory
 from trainers import rl_step
-from trainers.batch import RolloutBatch, add_images, collate, group_sorted, length_sorted
+from trainers.batch import (
+    RolloutBatch,
+    add_images,
+    collate,
+    group_sorted,
+    length_sorted,
+    per_token,
+)
 from trainers.config import TrainConfig
 from trainers.logprobs import Rows, padded_inputs, token_logprobs
 
@@ -103,6 +111,7 @@ class PolicyWorker:
         self.shared_tokens = 0  # prompt tokens not re-encoded thanks to prefix sharing
         self.engine: Any = None
         self._collected: list[Trajectory] = []  # colocated: the batch collect_step sampled
+        self._trained: list[Trained] = []  # the last update's, for the run's trained/ file
         self._broadcast: Any = None  # placed on GPUs: rank 0's end of the weight broadcast
         # The transformers engine samples from self.model itself: a weight sync is a version
         # bump. vLLM holds its own copy, loaded after every update.
@@ -173,6 +182,7 @@ class PolicyWorker:
         cfg, algo = self.cfg, self.cfg.algo
         t0 = time.perf_counter()
         self.shared_tokens = 0
+        self._trained = []
         if self.engine is not None:
             held = int(getattr(self.engine, "kv_bytes", 0))
             self.engine.sleep()  # colocated: free the KV caches while training
@@ -182,6 +192,8 @@ class PolicyWorker:
         batch = batch.to(self.device)
         if cfg.epochs_per_step * cfg.minibatches_per_step > 1 or algo.mismatch_correction != "none":
             self._fill(batch, "old_logp", self.policy)
+        elif cfg.save_rollouts:  # one pass: its log-probs, before its optimizer step, are kept
+            batch.extras["pass_logp"] = torch.zeros_like(batch.mask)
         if self.ref is not None:
             self._fill(batch, "ref_logp", self.ref)
         elif self.ref_is_base:
@@ -201,6 +213,11 @@ class PolicyWorker:
         adv, ret = rl_step.batch_advantages(algo, batch, kl, kl_coef, rank=self.rank)
         batch.extras["advantages"], batch.extras["returns"] = adv, ret
         metrics = self._epochs(batch)
+        if cfg.save_rollouts:
+            before = batch.extras["old_logp" if "old_logp" in batch.extras else "pass_logp"]
+            self._trained = [
+                Trained(t.uid, len(t.token_ids), logp, t_adv) for t, logp, t_adv in zip(
+                    trajectories, per_token(batch, before), per_token(batch, adv), strict=True)]
         metrics.update(
             shared_prompt_tokens=float(self.shared_tokens),
             advantage_mean=float(A.masked_mean(adv, batch.mask)),
@@ -216,6 +233,13 @@ class PolicyWorker:
         self.version += 1
         self._sync_engine()
         return metrics
+
+    def trained(self) -> list[Trained]:
+        """What the last `train` computed for each of its trajectories, in order: the trainer's
+        log-probs before the update and the advantages (`agentrl.trained_files`); empty
+        unless the run saves rollouts. Handed over once."""
+        out, self._trained = self._trained, []
+        return out
 
     def _sync_engine(self) -> None:
         if self.engine is not None:
@@ -264,6 +288,9 @@ class PolicyWorker:
     ) -> tuple[Tensor, dict[str, float]]:
         logp, ent = self._logprobs(self.policy, module, batch, rows, entropy=True)
         assert ent is not None
+        kept = batch.extras.get("pass_logp")
+        if kept is not None:  # the update's one pass (see train)
+            kept[rows[0], : rows[1] - 1] = logp.detach()
         return rl_step.policy_loss(self.cfg, batch, rows, logp, ent, num_tokens=num_tokens,
                                    num_seqs=num_seqs, with_ref=self.has_ref)
 

@@ -48,6 +48,10 @@ class Handle:
     def call(self, method: str, *args: Any, group: str | None = None) -> Any:
         return self.result(self.submit(method, *args, group=group))
 
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        """The one worker's result, as a list (as `PolicyRanks.call_all` gives every rank's)."""
+        return [self.call(method, *args)]
+
 
 class PolicyRanks:
     """Data-parallel policy ranks: every call goes to all of them (collectives inside need

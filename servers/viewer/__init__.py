@@ -7,7 +7,11 @@
 - `source`: what is viewed: a run directory (rollouts/step_N.jsonl, metrics.jsonl), one
   trajectories file (`agentrl rollout` output, a proxy's /export), a proxy's SQLite sessions
   file, or a live `agentrl serve` (its /export, fetched again on reload).
+- `trained`: a step's trained/ file (the trainer's log-probs and advantages,
+  `agentrl.trained_files`), indexed by the rollouts line each of its lines names; a line that
+  is not a trained record is named, file:line, on the turns it would have covered.
 - `render`: what a page shows of a record: tokens decoded one by one with their log-prob,
-  policy version and advantage; tool calls; images; the group of a prompt.
+  policy version, advantage and trainer-vs-sampler mismatch; tool calls; images; the group of
+  a prompt.
 - `app`: a stdlib HTTP server: the static page (`static/`, no build step, no CDN) and its JSON.
 """

@@ -68,10 +68,11 @@ class Viewer:
                 "discarded": sum(x["discard"] for x in s), "drift": sum(x["drift"] for x in s),
                 "mean_reward": sum(kept) / len(kept) if kept else None,
                 "metrics": metrics.get(int(n)) if n.isdigit() else None,
+                "trained": step.trained is not None and step.trained.path.is_file(),
             })
         # Steps with metrics but no rollouts (save_rollouts off): their metrics still show.
         rows += [{"key": str(k), "episodes": 0, "corrupt": 0, "discarded": 0, "drift": 0,
-                  "mean_reward": None, "metrics": m}
+                  "mean_reward": None, "metrics": m, "trained": False}
                  for k, m in sorted(metrics.items()) if str(k) not in seen]
         rows.sort(key=lambda r: int(r["key"]) if r["key"].isdigit() else -1)
         return {"target": visible(self.source.target), "kind": self.source.kind,
@@ -80,6 +81,10 @@ class Viewer:
                 "metric_keys": keys, "steps": rows}
 
     def advantages(self, step: Step) -> dict[int, float]:
+        """Each episode's advantage by line: the trainer's (the mean over its trained tokens)
+        where the step has a trained/ file, else recomputed (`render.group_advantages`)."""
+        if step.trained is not None and step.trained.refresh():
+            return step.trained.advantages
         n = len(step.index)
         with self._lock:
             cached = self._advantages.get(step.key)
@@ -88,6 +93,13 @@ class Viewer:
                                                      step.index.summaries[:n]))
                 self._advantages[step.key] = cached
         return cached[1]
+
+    def advantage_source(self, step: Step) -> str | None:
+        """"trainer", or the estimator whose advantage the viewer recomputes, or None."""
+        if step.trained is not None and step.trained.refresh():
+            return "trainer"
+        estimator = self.source.estimator
+        return estimator if estimator in render.GROUP_ESTIMATORS else None
 
     def episodes(self, q: dict[str, str]) -> dict[str, Any]:
         offset = _int(q, "offset", 0)
@@ -125,12 +137,15 @@ class Viewer:
                  if summary["group"] is not None else [])
         view = render.episode_view(record, summary, self.advantages(step).get(summary["line"]),
                                    siblings, group)
-        return {**view, "step": step.key}
+        return {**view, "step": step.key, "advantage_source": self.advantage_source(step)}
 
     def turn(self, q: dict[str, str]) -> dict[str, Any]:
         step, summary, record = self._record(q)
+        trained, why = (step.trained.lookup(summary["line"], record) if step.trained is not None
+                        else (None, "not a run's rollouts: no trainer's log-probs"))
         return render.turn_view(record, _int(q, "turn", 0), self.decoder,
-                                self.advantages(step).get(summary["line"]))
+                                self.advantages(step).get(summary["line"]), trained=trained,
+                                trained_note=why)
 
     def group(self, q: dict[str, str]) -> dict[str, Any]:
         step = self.source.step(q.get("step", ""))
@@ -144,7 +159,7 @@ class Viewer:
         if not members:
             raise KeyError(f"step {step.key} has no group {name!r}")
         return {"step": step.key, "group": visible(name), "estimator": self.source.estimator,
-                "members": members}
+                "advantage_source": self.advantage_source(step), "members": members}
 
     def image(self, q: dict[str, str]) -> bytes:
         step, _, record = self._record(q)

@@ -6,10 +6,11 @@ served from the package, no CDN, no build step).
     agentrl view ~/.local/share/agentrl/sessions/m.sqlite --tokenizer embedded
     agentrl view http://127.0.0.1:8000                # a live agentrl serve
 
-Steps, then episodes, then turns: the sampled tokens coloured by log-prob, advantage or policy
-version; tool calls and tool outputs as text; screenshots; rewards and their parts; drift,
-segments, discarded episodes and why; filters; a prompt's samples side by side; a step's
-metrics beside its episodes.
+Steps, then episodes, then turns: the sampled tokens coloured by log-prob, advantage, policy
+version or trainer-vs-sampler mismatch (a run's trained/ files: the trainer's log-probs before
+each update and the advantages it used); tool calls and tool outputs as text; screenshots;
+rewards and their parts; drift, segments, discarded episodes and why; filters; a prompt's
+samples side by side; a step's metrics beside its episodes.
 """
 
 from __future__ import annotations

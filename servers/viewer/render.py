@@ -2,16 +2,19 @@
 sampler's log-prob, the policy version and the advantage of each; tool calls; images; the
 prompt's group side by side.
 
-What a run's rollouts hold, and what they do not (they are written before the step trains):
-each token's id, its sampler log-prob and the policy version that sampled it, each turn's
-reward, the episode's info. Not its advantage: the viewer recomputes the outcome advantage of
-the group estimators (`group_norm`, `dr_grpo`, `rloo`: the same for every token of an episode
-with gamma 1) from the rewards of the step's kept episodes, as `agentrl.algorithms` defines
-them, before dynamic filtering and reward shaping; other estimators' advantages depend on the
-trainer's state (a critic, whitening over the batch) and are not shown. Not the trainer's
-log-probs: per-token trainer-vs-sampler mismatch shows only for records that carry
-`trainer_logprobs` (aligned with `token_ids`); a run's step-level `mismatch` metric is beside
-its episodes. A record with a per-token `advantages` list is shown with it.
+What a run's rollouts hold (they are written before the step trains): each token's id, its
+sampler log-prob and the policy version that sampled it, each turn's reward, the episode's
+info. What the step then computed is in its trained/ file (`agentrl.trained_files`, read by
+`servers.viewer.trained`): for each trajectory it trained on, the trainer's log-prob of each
+sampled token before the update and the advantage the loss used. Where it is, a token shows
+its mismatch (sampler minus trainer log-prob, whose token mean is the step's `mismatch`
+metric) and the trainer's advantage. Where it is not (an older run, a trajectories file, a
+proxy's sessions), the viewer recomputes the outcome advantage of the group estimators
+(`group_norm`, `dr_grpo`, `rloo`: the same for every token of an episode with gamma 1) from
+the rewards of the step's kept episodes, as `agentrl.algorithms` defines them, before dynamic
+filtering and reward shaping; other estimators' advantages depend on the trainer's state (a
+critic, whitening over the batch) and are not shown. A record that carries its own
+`trainer_logprobs` or `advantages` (aligned with `token_ids`) is shown with them.
 
 Every string sent to the page has its control and bidi characters made visible
 (`agentrl.terminal_safe.visible`); the page puts strings in as text, never as markup.
@@ -30,6 +33,7 @@ from agentrl.completion import expand_versions
 from agentrl.envs.tool_calls import find_tool_calls
 from agentrl.terminal_safe import visible
 from servers.viewer.index import Summary, reward_parts
+from servers.viewer.trained import Aligned
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -167,10 +171,12 @@ def episode_view(record: dict[str, Any], summary: Summary, advantage: float | No
     }
 
 
-def turn_view(record: dict[str, Any], turn: int, decoder: Decoder,
-              advantage: float | None) -> dict[str, Any]:
+def turn_view(record: dict[str, Any], turn: int, decoder: Decoder, advantage: float | None, *,
+              trained: Aligned | None = None, trained_note: str = "") -> dict[str, Any]:
     """One turn: the observation before it and the sampled tokens, each with its id and text;
-    the sampled ones with log-prob, version, advantage and (when recorded) mismatch."""
+    the sampled ones with log-prob, version, advantage and (when recorded) mismatch.
+    `trained`: the trainer's log-probs and advantages of the record's tokens (its step's
+    trained/ file), else `trained_note` says why there are none."""
     turns = record["turns"]
     if not 0 <= turn < len(turns):
         raise IndexError(f"the episode has {len(turns)} turns, not {turn + 1}")
@@ -183,12 +189,18 @@ def turn_view(record: dict[str, Any], turn: int, decoder: Decoder,
     versions = expand_versions(int(t.get("policy_version", 0)),
                                [(int(i), int(v)) for i, v in t.get("version_changes", ())],
                                end - start)
-    advantages = _per_token(record, "advantages", start, end)
-    trainer = _per_token(record, "trainer_logprobs", start, end)
+    trainer: list[float | None] | None
+    advantages: list[float | None] | None
+    if trained is not None:
+        trainer, advantages = trained[0][start:end], trained[1][start:end]
+    else:
+        advantages = _per_token(record, "advantages", start, end)
+        trainer = _per_token(record, "trainer_logprobs", start, end)
     action = []
     for k in range(end - start):
         adv = advantages[k] if advantages is not None else advantage
-        mismatch = (float(logprobs[k]) - trainer[k]) if trainer is not None else None
+        trainer_k = trainer[k] if trainer is not None else None
+        mismatch = float(logprobs[k]) - trainer_k if trainer_k is not None else None
         action.append([ids[n_obs + k], texts[n_obs + k], _finite(logprobs[k]), versions[k],
                        _finite(adv), _finite(mismatch)])
     action_text = decoder.text(ids[n_obs:])
@@ -207,6 +219,7 @@ def turn_view(record: dict[str, Any], turn: int, decoder: Decoder,
         "images": images,
         "decoded": decoder.error is None,
         "mismatch_recorded": trainer is not None,
+        "trained_note": "" if trainer is not None else visible(trained_note),
     }
 
 
@@ -222,11 +235,12 @@ def group_member(record: dict[str, Any], summary: Summary, advantage: float | No
             "cut": len(text) > MAX_TEXT}
 
 
-def _per_token(record: dict[str, Any], key: str, start: int, end: int) -> list[float] | None:
+def _per_token(record: dict[str, Any], key: str, start: int,
+               end: int) -> list[float | None] | None:
     values = record.get(key)
     if not isinstance(values, list) or len(values) != len(record["token_ids"]):
         return None
-    return [float(x) for x in values[start:end]]
+    return [float(x) if isinstance(x, int | float) else None for x in values[start:end]]
 
 
 def _finite(x: float | None) -> float | None:

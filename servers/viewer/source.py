@@ -2,10 +2,13 @@
 live proxy, as a list of steps (each an indexed JSONL file) and the metrics of each step.
 
 - A run directory (`agentrl train`'s run_dir): rollouts/step_NNNNNN.jsonl are the steps,
+  trained/step_NNNNNN.jsonl the trainer's side of each (its log-probs and advantages,
+  `agentrl.trained_files`; read by `servers.viewer.trained` when a page needs it),
   metrics.jsonl their metrics, config.json the tokenizer (actor.model) and the advantage
   estimator. A run still being written shows the steps written so far; a metrics line still
   being written is left for the next look.
-- A trajectories file (`agentrl rollout`, a proxy's /export): one step.
+- A trajectories file (`agentrl rollout`, a proxy's /export): one step (a run's rollouts file
+  with its trained/ file, where there is one).
 - A proxy's SQLite sessions file (`agentrl serve --store`): replayed read-only
   (`servers.durable.read_sessions`) into a trajectories file in the viewer's cache folder, again
   when the store changes.
@@ -24,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.files import replaced_atomically
+from agentrl.trained_files import trained_file_of
 from servers.viewer.index import FileIndex
+from servers.viewer.trained import TrainedIndex
 
 LIVE_REFRESH_S = 5.0
 """A live proxy's sessions are fetched again at most this often."""
@@ -43,6 +48,9 @@ class Step:
     index: FileIndex
     images: Path
     """Where the file's images are stored by hash (`agentrl.trajectory_files.image_dir_of`)."""
+    trained: TrainedIndex | None = None
+    """The trainer's side of a run's step (its file need not exist); None for what is not a
+    run's rollouts file."""
 
 
 class Source:
@@ -99,7 +107,11 @@ class Source:
             for path, key in self._files():
                 step = self._steps.get(key)
                 if step is None:
-                    step = self._steps[key] = Step(key, FileIndex(path), path.parent / "images")
+                    in_run = self.kind == "run" or (
+                        self.kind == "file" and path.resolve().parent.name == "rollouts")
+                    trained = TrainedIndex(trained_file_of(path.resolve())) if in_run else None
+                    step = self._steps[key] = Step(key, FileIndex(path), path.parent / "images",
+                                                   trained)
                 step.index.refresh()
             return list(self._steps.values())
 

@@ -122,6 +122,74 @@ def test_turn_tokens_are_the_files(run, tmp_path, tok):
     assert calls == [{"name": "add", "error": "", "arguments": '{"a": 2, "b": 3}'}]
 
 
+def _trained_step_1(run: Path) -> tuple[list, list]:
+    """The trainer's side of step 1 as the trainer writes it (`agentrl.trained_files`): lines 1
+    and 3 trained, with log-probs 0.25 below the sampler's and an advantage of 2 (line 1) and
+    -1 (line 3) on every token; the others not trained."""
+    from agentrl.trained_files import Trained, save_trained, trained_file_of, trained_tokens
+
+    rollouts = run / "rollouts" / "step_000001.jsonl"
+    sampled = [trajectory_of(rollouts, n) for n in range(1, 8)]
+    records = [Trained(t.uid, len(t.token_ids),
+                       [t.logprobs[i] - 0.25 for i in trained_tokens(t.loss_mask)],
+                       [adv] * len(trained_tokens(t.loss_mask)))
+               for t, adv in ((sampled[0], 2.0), (sampled[2], -1.0))]
+    save_trained(trained_file_of(rollouts), sampled, records)
+    return sampled, records
+
+
+def test_trainers_file_gives_mismatch_and_advantages(run, tmp_path):
+    sampled, _ = _trained_step_1(run)
+    viewer = viewer_of(run, tmp_path)
+    steps = {s["key"]: s for s in viewer.run()["steps"]}
+    assert steps["1"]["trained"] is True and steps["2"]["trained"] is False
+    turn = viewer.turn({"step": "1", "line": "1", "turn": "1"})
+    t = sampled[0].turns[1]
+    assert turn["mismatch_recorded"] and turn["trained_note"] == ""
+    assert [a[5] for a in turn["action"]] == pytest.approx([0.25] * (t.end - t.start))
+    assert [a[4] for a in turn["action"]] == [2.0] * (t.end - t.start)
+    rows = {r["line"]: r for r in viewer.episodes({"step": "1"})["rows"]}
+    # The trainer's advantages, not the ones recomputed from the rewards (1.306 for line 1).
+    assert (rows[1]["advantage"], rows[3]["advantage"], rows[2]["advantage"]) == (2.0, -1.0, None)
+    assert viewer.episode({"step": "1", "line": "3"})["advantage_source"] == "trainer"
+    assert [m["advantage"] for m in viewer.group({"step": "1", "group": "s0-0"})["members"]] == [
+        2.0, None, -1.0, None]
+    untrained = viewer.turn({"step": "1", "line": "2", "turn": "1"})
+    assert not untrained["mismatch_recorded"] and {a[5] for a in untrained["action"]} == {None}
+    assert untrained["trained_note"] == ("the step did not train on this episode (discarded or "
+                                         "filtered out)")
+    # Step 2 has no trainer's file: advantages recomputed, no mismatch, and why.
+    assert viewer.episode({"step": "2", "line": "1"})["advantage_source"] == "group_norm"
+    assert "no trainer's file" in viewer.turn({"step": "2", "line": "1", "turn": "1"})[
+        "trained_note"]
+    # The rollouts file viewed alone finds its trained/ file too.
+    alone = viewer_of(run / "rollouts" / "step_000001.jsonl", tmp_path / "alone")
+    key = alone.run()["steps"][0]["key"]
+    assert [a[5] for a in alone.turn({"step": key, "line": "1", "turn": "1"})["action"]] == \
+        pytest.approx([0.25] * (t.end - t.start))
+
+
+def test_a_broken_trainers_file_is_named_and_the_rest_shows(run, tmp_path):
+    from agentrl.trained_files import trained_file_of
+
+    _trained_step_1(run)
+    path = trained_file_of(run / "rollouts" / "step_000001.jsonl")
+    first, second = path.read_text().splitlines()
+    path.write_text(first + "\n" + second[:50])  # the second line cut short
+    viewer = viewer_of(run, tmp_path)
+    assert viewer.turn({"step": "1", "line": "1", "turn": "1"})["mismatch_recorded"]
+    note = viewer.turn({"step": "1", "line": "3", "turn": "1"})["trained_note"]
+    assert note.startswith("no trainer's line for this episode; the trainer's file has 1 "
+                           "unreadable line(s), the first step_000001.jsonl:2: ")
+    # A line that names another episode's line: refused with why, the rollout still shows.
+    path.write_text(first.replace('"line": 1', '"line": 4') + "\n")
+    turn = viewer.turn({"step": "1", "line": "4", "turn": "1"})
+    assert not turn["mismatch_recorded"] and turn["action"]
+    assert turn["trained_note"].startswith("the trainer's line for this episode does not fit "
+                                           "it: its uid/num_tokens")
+    assert viewer.episodes({"step": "1"})["total"] == 8
+
+
 def test_sessions_file_and_live_proxy(make_proxy, tmp_path, tok):
     from servers.cli import vocabulary_id
     from servers.durable import SqliteSessionStore
@@ -249,6 +317,40 @@ def test_page_clicks_through_to_a_turn(browser, run, tmp_path, tok):
         if os.environ.get("AGENTRL_VIEWER_SCREENSHOT"):  # docs/images/viewer.png
             d.save_screenshot(os.environ["AGENTRL_VIEWER_SCREENSHOT"])
     assert (tmp_path / "viewer.png").stat().st_size > 10_000
+
+
+def test_page_shows_the_trainers_mismatch_and_advantage(browser, run, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    _trained_step_1(run)
+    d = browser.driver  # type: ignore[attr-defined]
+    with served(viewer_of(run, tmp_path)) as url:
+        d.get(url)
+        wait_for(d, "body[data-ready]")
+        assert "(the trainer's, from trained/)" in d.find_element(By.ID, "run-meta").text
+        rows = wait_for(d, "#episodes .episode-row", 8)
+        assert [r.find_elements(By.TAG_NAME, "td")[4].text for r in rows[:3]] == [
+            "2", "", "-1"]
+        rows[0].click()
+        wait_js(d, "const h = document.querySelector('#episode h2'); "
+                   "return h !== null && h.textContent.includes('line 1)')")
+        assert "advantage 2 (the trainer's)" in d.find_element(By.ID, "episode").text
+        wait_for(d, ".turn-button", 2)[1].click()
+        wait_js(d, "const h = document.querySelector('#turn h3'); "
+                   "return h !== null && h.textContent.startsWith('Turn 1')")
+        spans = d.find_elements(By.CSS_SELECTOR, "#action .tok")
+        assert [float(s.get_attribute("data-mismatch")) for s in spans] == pytest.approx(
+            [0.25] * len(spans))
+        assert "sampler minus trainer log-prob" in d.find_element(By.ID, "mismatch-note").text
+        Select(d.find_element(By.ID, "colour")).select_by_value("mismatch")
+        colours = d.execute_script("return [...document.querySelectorAll('#action .tok')]"
+                                   ".map(s => s.style.background)")
+        assert len(set(colours)) == 1 and colours[0] != ""
+        d.find_elements(By.CSS_SELECTOR, "#episodes .episode-row")[1].click()
+        wait_js(d, "const n = document.getElementById('mismatch-note'); return n !== null && "
+                   "n.textContent.includes('did not train on this episode')")
+        assert "none (not trained on)" in d.find_element(By.ID, "episode").text
 
 
 def test_ten_thousand_episodes_stay_fast(browser, tmp_path):

@@ -50,7 +50,8 @@ async function loadRun() {
   const meta = [];
   meta.push("tokenizer: " + (run.tokenizer || "none"));
   if (run.tokenizer_error) meta.push("(" + run.tokenizer_error + ")");
-  meta.push("advantage: " + (run.estimator || "not recorded"));
+  meta.push("advantage: " + (run.estimator || "not recorded") +
+            (run.steps.some(s => s.trained) ? " (the trainer's, from trained/)" : ""));
   if (run.env) meta.push("env: " + run.env);
   document.getElementById("run-meta").textContent = meta.join(" · ");
   state.run = run;
@@ -130,8 +131,13 @@ function episodeRow(s) {
 }
 
 // ------------------------------------------------------------------------------ episode
+// A click's answer that arrives after a later click's is dropped (it would show the older one).
+const latest = {episode: 0, turn: 0};
+
 async function openEpisode(step, line) {
   showError(null);
+  const mine = ++latest.episode;
+  latest.turn++;  // a turn still loading belongs to the episode left
   const pane = document.getElementById("episode");
   document.getElementById("turn").replaceChildren();
   document.getElementById("group").replaceChildren();
@@ -139,17 +145,18 @@ async function openEpisode(step, line) {
   try {
     ep = await api("/api/episode", {step, line});
   } catch (e) {
+    if (mine !== latest.episode) return;
     pane.replaceChildren(el("h2", {}, "step " + step + ", line " + line),
                          el("p", {class: "bad corrupt"}, String(e.message)));
     return;
   }
+  if (mine !== latest.episode) return;
   state.record = {step, line, ep};
   const s = ep.summary;
   const parts = Object.entries(ep.reward_parts);
   pane.replaceChildren(...present(
     el("h2", {}, "Episode " + s.uid + " (step " + step + ", line " + line + ")"),
-    el("p", {}, "reward " + fmt(s.reward) + " · advantage " +
-       (ep.advantage === null ? "not recomputed" : fmt(ep.advantage)) +
+    el("p", {}, "reward " + fmt(s.reward) + " · advantage " + advantageText(ep) +
        " · " + s.turns + " turns · " + s.tokens + " tokens · " +
        (s.terminated ? "terminated" : s.truncated ? "truncated" : "unfinished"), " ", ...badges(s)),
     parts.length ? el("p", {class: "parts"}, "reward parts: " +
@@ -170,6 +177,13 @@ async function openEpisode(step, line) {
   if (ep.turns.length) await openTurn(step, line, 0);
 }
 
+// The trainer's (its trained/ file: the mean over the episode's trained tokens), or recomputed.
+function advantageText(ep) {
+  if (ep.advantage_source === "trainer")
+    return ep.advantage === null ? "none (not trained on)" : fmt(ep.advantage) + " (the trainer's)";
+  return ep.advantage === null ? "not recomputed" : fmt(ep.advantage) + " (recomputed)";
+}
+
 // --------------------------------------------------------------------------------- turn
 const COLOURS = {
   logprob: t => t[2] === null ? null : `hsl(${Math.round(120 * Math.exp(t[2]))}, 75%, 82%)`,
@@ -186,11 +200,13 @@ function tokenSpan(t) {
     " · advantage " + (t[4] === null ? "n/a" : fmt(t[4])) +
     (t[5] === null ? "" : " · mismatch " + fmt(t[5]));
   return el("span", {class: "tok", "data-id": t[0], "data-logprob": t[2], "data-version": t[3],
-                     title, style: colour ? {background: colour} : null}, t[1]);
+                     "data-mismatch": t[5], title, style: colour ? {background: colour} : null}, t[1]);
 }
 
 async function openTurn(step, line, turn) {
+  const mine = ++latest.turn;
   const data = await api("/api/turn", {step, line, turn});
+  if (mine !== latest.turn) return;
   state.turn = data;
   for (const b of document.querySelectorAll(".turn-button"))
     b.classList.toggle("selected", Number(b.dataset.turn) === turn);
@@ -207,8 +223,10 @@ function renderTurn() {
     el("h3", {}, "Turn " + d.turn + " of " + d.turns + " · reward " + fmt(d.reward) +
        " · " + d.finish_reason),
     el("label", {}, "colour by ", select),
-    d.mismatch_recorded ? null : el("span", {class: "note"},
-      " (no trainer log-probs in this record: mismatch not shown; the step's mismatch metric is beside the episodes)"),
+    d.mismatch_recorded ? el("span", {class: "note", id: "mismatch-note"},
+      " (mismatch: sampler minus trainer log-prob, the trainer's before its update)")
+      : el("span", {class: "note", id: "mismatch-note"},
+      " (no mismatch: " + d.trained_note + "; the step's mismatch metric is beside the episodes)"),
     d.decoded ? null : el("span", {class: "note"}, " (no tokenizer: tokens shown as ids)"),
     el("h4", {}, "observation (" + d.observation.length + " tokens)"),
     ...images,
@@ -227,7 +245,8 @@ async function openGroup(step, group) {
   const g = await api("/api/group", {step, group});
   document.getElementById("group").replaceChildren(
     el("h3", {}, "Group " + g.group + " of step " + g.step + " (advantage: " +
-       (g.estimator || "not recorded") + ")"),
+       (g.advantage_source === "trainer" ? "the trainer's" : g.advantage_source
+        ? "recomputed, " + g.advantage_source : "not recorded") + ")"),
     el("div", {class: "side-by-side", id: "side-by-side"}, ...g.members.map(m =>
       el("div", {class: "sample" + (m.discard ? " discarded" : "")},
         el("div", {class: "sample-head"}, "line " + m.line + " · reward " + fmt(m.reward) +
