@@ -38,6 +38,15 @@ Splits: `train` and `eval` episodes draw their page seeds from different streams
 "eval-N") and MiniWoB++'s "train" and "test" data modes, so held-out episodes are new pages.
 An env pickles mid-episode: its copy starts a browser of its own and replays the episode's
 actions on the same seed.
+
+The prompt. The first observation is the instructions (`instructions()`), then the task and
+the page. With `example=True` (the default in `dom` and `both` modes) the instructions are a
+system message and one example exchange comes before the page: a made-up page (`EXAMPLE_PAGE`,
+not one of MiniWoB++'s, so it gives no task's answer away) and its answer (`EXAMPLE_ANSWER`,
+the bare action). A small model shown only the grammar rarely writes an action at all (the
+embedded SmolLM2-135M: 0 of 48 episodes of click-basics); one example teaches the format in
+about 60 tokens. `screenshot` mode has no example (its page is an image), and `example=False`
+gives the instructions and the page in one user message.
 """
 
 from __future__ import annotations
@@ -77,6 +86,13 @@ _ACTIONS = {
 }
 
 
+EXAMPLE_PAGE = ('Task: Open the "Settings" page.\nPage:\n[2] a "Home"\n[3] a "Settings"\n'
+                '[4] p "Welcome back."')
+"""The example exchange's page (`example=True`): made up, in the listing's format."""
+EXAMPLE_ANSWER = "click(3)"
+"""The example exchange's answer: the action alone, as the policy should write it."""
+
+
 def instructions(observation: str) -> str:
     """What the first observation says before the page."""
     return (f"You operate a web page to do a task. Each turn you see {_SEES[observation]}. "
@@ -113,6 +129,8 @@ class MiniWoBEnv(ChatEnv):
         clock: "steps" (the task's clock advances `step_s` per turn) or "wall".
         step_s: task time one turn takes with clock="steps".
         time_limit_s: the tasks' time limit (None: each task's own).
+        example: show one example exchange before the page (module docstring, "The prompt");
+            None: on for "dom" and "both", off for "screenshot" (which cannot have it).
         timeout_s: how long a page load or a browser command may take before the browser
             counts as hung (a start may take `browser.START_TIMEOUT_S`).
     """
@@ -120,7 +138,7 @@ class MiniWoBEnv(ChatEnv):
     def __init__(
         self, *, task: str = "click-basics", observation: str = "dom", split: str = "train",
         max_turns: int | None = None, clock: str = "steps", step_s: float = 1.0,
-        time_limit_s: float | None = None, timeout_s: float = 20.0,
+        time_limit_s: float | None = None, example: bool | None = None, timeout_s: float = 20.0,
     ) -> None:
         for name, value, allowed in (("observation", observation, OBSERVATIONS),
                                      ("split", split, SPLITS), ("clock", clock, CLOCKS)):
@@ -133,6 +151,10 @@ class MiniWoBEnv(ChatEnv):
                              f"timeout_s={timeout_s}")
         if time_limit_s is not None and not time_limit_s > 0:
             raise ValueError(f"time_limit_s={time_limit_s}: expected None or > 0")
+        if example and observation == "screenshot":
+            raise ValueError("example=True needs a page listing: use observation='dom' or "
+                             "'both', or example=False with screenshots")
+        self.example = observation != "screenshot" if example is None else example
         self.tasks = self.preflight(task=task)
         self.observation, self.split, self.clock = observation, split, clock
         self.max_turns, self.step_s, self.time_limit_s = max_turns, step_s, time_limit_s
@@ -176,7 +198,7 @@ class MiniWoBEnv(ChatEnv):
             raise
         info = {"task": task, "seed": page_seed, "split": self.split,
                 "time_limit_s": ep.limit_ms / 1000}
-        return [self._message(instructions(self.observation) + "\n\n" + text, image)], info
+        return self._first_messages(text, image), info
 
     def step(self, assistant_text: str) -> StepResult:
         ep = self._episode
@@ -352,6 +374,15 @@ class MiniWoBEnv(ChatEnv):
             ep.options = {ref: list(opts) for ref, opts in notes.options.items()}
             text += "\nPage:\n" + ("\n".join(lines) or "(no text or field on the screen)")
         return text, look.image
+
+    def _first_messages(self, text: str, image: np.ndarray | None) -> list[Message]:
+        """The first observation: instructions, the example exchange if shown, the page."""
+        if not self.example:
+            return [self._message(instructions(self.observation) + "\n\n" + text, image)]
+        return [{"role": "system", "content": instructions(self.observation)},
+                {"role": "user", "content": EXAMPLE_PAGE},
+                {"role": "assistant", "content": EXAMPLE_ANSWER},
+                self._message(text, image)]
 
     def _message(self, text: str, image: np.ndarray | None) -> Message:
         if image is None:

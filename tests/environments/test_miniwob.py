@@ -243,9 +243,9 @@ def test_gym_make_builds_it_and_the_checker_passes(tiny_tokenizer):
 @browser
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_scripted_click_solves_click_button(dom_env, seed):
-    [msg], info = dom_env.reset(seed=seed, options={"task": "click-button"})
+    (*_, msg), info = dom_env.reset(seed=seed, options={"task": "click-button"})
     text = msg["content"]
-    assert info["task"] == "click-button" and text.startswith("You operate a web page")
+    assert info["task"] == "click-button" and text.startswith("Task: Click on the")
     label = _quoted(text.split("Task: ")[1].splitlines()[0])
     ref = _ref_of(text, f'button "{re.escape(label)}"')
     new, reward, terminated, truncated, info = dom_env.step(f"The button is [{ref}].\nclick({ref})")
@@ -254,9 +254,50 @@ def test_a_scripted_click_solves_click_button(dom_env, seed):
     assert info["correct"] and info["raw_reward"] == 1.0 and info["turns"] == 1
 
 
+def test_the_example_exchange_is_an_action_on_its_own_page():
+    from environments.miniwob.env import EXAMPLE_ANSWER, EXAMPLE_PAGE, MiniWoBEnv
+
+    action = act.parse_action(EXAMPLE_ANSWER)
+    assert isinstance(action, act.ClickRef) and act.action_line(EXAMPLE_ANSWER) == EXAMPLE_ANSWER
+    target = _ref_of(EXAMPLE_PAGE, r'a "Settings"')  # the element the example's task names
+    assert action.ref == target and EXAMPLE_PAGE.startswith('Task: Open the "Settings" page.')
+    with pytest.raises(ValueError, match=r"^example=True needs a page listing: use "
+                                         r"observation='dom' or 'both', or example=False"):
+        MiniWoBEnv(observation="screenshot", example=True)
+
+
+@browser
+def test_the_first_observation_shows_one_example_exchange(dom_env, tiny_tokenizer):
+    from environments.miniwob.env import EXAMPLE_ANSWER, EXAMPLE_PAGE, MiniWoBEnv, instructions
+
+    messages, _ = dom_env.reset(seed=0, options={"task": "click-button"})
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert [m["content"] for m in messages[:3]] == [instructions("dom"), EXAMPLE_PAGE,
+                                                   EXAMPLE_ANSWER]
+    assert messages[3]["content"].startswith('Task: Click on the "')
+    # Through the chat bridge: the example comes before the page, in the prompt's tokens.
+    env = gym.make(ENV_ID, tokenizer=tiny_tokenizer, task="click-button")
+    try:
+        obs, _ = env.reset(seed=0)
+        prompt = tiny_tokenizer.decode(obs["tokens"])
+        assert prompt.index(EXAMPLE_PAGE) < prompt.index(EXAMPLE_ANSWER) < prompt.index(
+            'Task: Click on the "')
+    finally:
+        env.close()
+    # Without it (and in screenshot mode, which cannot have it): one user message.
+    plain = MiniWoBEnv(task="click-button", example=False)
+    try:
+        [msg], _ = plain.reset(seed=0)
+        assert msg["content"].startswith(instructions("dom") + "\n\nTask: Click on the")
+    finally:
+        plain.close()
+    assert MiniWoBEnv(observation="screenshot").example is False
+    assert MiniWoBEnv(observation="both").example is True
+
+
 @browser
 def test_typing_and_a_wrong_click(dom_env):
-    [msg], _ = dom_env.reset(seed=5, options={"task": "enter-text"})
+    (*_, msg), _ = dom_env.reset(seed=5, options={"task": "enter-text"})
     text = msg["content"]
     word = _quoted(text.split("Task: ")[1].splitlines()[0])
     field, submit = _ref_of(text, "input_text"), _ref_of(text, 'button "Submit"')
@@ -266,7 +307,7 @@ def test_typing_and_a_wrong_click(dom_env):
     _, reward, terminated, _, info = dom_env.step(f"click({submit})")
     assert terminated and reward == pytest.approx(0.8) and info["correct"]
     # A wrong answer is MiniWoB's -1.
-    [msg], _ = dom_env.reset(seed=6, options={"task": "enter-text"})
+    (*_, msg), _ = dom_env.reset(seed=6, options={"task": "enter-text"})
     _, submit = _ref_of(msg["content"], "input_text"), _ref_of(msg["content"], 'button "Submit"')
     _, reward, terminated, _, info = dom_env.step(f"click({submit})")
     assert terminated and reward == -1.0 and not info["correct"]
@@ -274,7 +315,7 @@ def test_typing_and_a_wrong_click(dom_env):
 
 @browser
 def test_a_select_and_icons_on_real_pages(dom_env):
-    [msg], _ = dom_env.reset(seed=3, options={"task": "choose-list"})
+    (*_, msg), _ = dom_env.reset(seed=3, options={"task": "choose-list"})
     text = msg["content"]
     choice = re.search(r"Select (.+) from the list", text).group(1)
     select = _ref_of(text, r'select value="[^"]*" options: .*"' + re.escape(choice) + '"')
@@ -285,14 +326,14 @@ def test_a_select_and_icons_on_real_pages(dom_env):
     assert f'[{select}] select value="{choice}"' in msg["content"]
     _, reward, terminated, _, info = dom_env.step(f"click({_ref_of(text, 'button')})")
     assert terminated and info["correct"] and reward == pytest.approx(0.7)
-    [msg], _ = dom_env.reset(seed=0, options={"task": "email-inbox"})
+    (*_, msg), _ = dom_env.reset(seed=0, options={"task": "email-inbox"})
     text = msg["content"]
     assert len(re.findall(r'^\[\d+\] span icon "star"$', text, flags=re.MULTILINE)) >= 3
     assert len(re.findall(r'^\[\d+\] span icon "trash"$', text, flags=re.MULTILINE)) >= 3
-    [msg], _ = dom_env.reset(seed=0, options={"task": "click-color"})
+    (*_, msg), _ = dom_env.reset(seed=0, options={"task": "click-color"})
     assert len(re.findall(r'^\[\d+\] div background="#[0-9a-f]{6}"$', msg["content"],
                           flags=re.MULTILINE)) >= 2
-    [msg], _ = dom_env.reset(seed=0, options={"task": "click-dialog"})
+    (*_, msg), _ = dom_env.reset(seed=0, options={"task": "click-dialog"})
     assert "resizable" not in msg["content"]  # no handler of its own: not a control
 
 
@@ -343,7 +384,7 @@ def test_the_wall_clock_is_miniwobs_own():
 
     env = MiniWoBEnv(task="click-button", clock="wall", time_limit_s=0.3)
     try:
-        [msg], info = env.reset(seed=0)
+        (*_, msg), info = env.reset(seed=0)
         assert info["time_limit_s"] == 0.3
         time.sleep(0.6)  # the policy thinks; the page's timer runs out
         ref = _ref_of(msg["content"], "button")
@@ -386,7 +427,7 @@ def test_pickled_mid_episode_the_copy_replays_and_goes_on_alike():
     from environments.miniwob.env import MiniWoBEnv
 
     env = MiniWoBEnv(task="enter-text")
-    [msg], _ = env.reset(seed=11)
+    (*_, msg), _ = env.reset(seed=11)
     word = _quoted(msg["content"].split("Task: ")[1].splitlines()[0])
     field, submit = _ref_of(msg["content"], "input_text"), _ref_of(msg["content"], 'button "Sub')
     env.step(f'type({field}, "{word}")')
@@ -421,7 +462,7 @@ def test_close_gives_the_browser_back_and_the_pool_leaves_no_process():
     started, reused = pool.stats.started, pool.stats.reused
     again = MiniWoBEnv(task="click-button")
     t0 = time.monotonic()
-    [msg], _ = again.reset(seed=1)
+    (*_, msg), _ = again.reset(seed=1)
     took = time.monotonic() - t0
     assert again._browser is browser_ and "Task: Click on the" in msg["content"]
     assert (pool.stats.started, pool.stats.reused) == (started, reused + 1)
@@ -459,7 +500,7 @@ def test_concurrent_episodes_each_hold_their_own_browser_and_a_dead_one_is_repla
         for pid in dead_pids:
             os.kill(pid, signal.SIGKILL)
         replaced = pool.stats.replaced
-        [msg], _ = envs[0].reset(seed=7)
+        (*_, msg), _ = envs[0].reset(seed=7)
         assert envs[0]._browser is not dead and dead.closed
         assert pool.stats.replaced == replaced + 1 and "Task: Click on the" in msg["content"]
         assert still_alive(dead_pids, within_s=3.0) == []
@@ -614,7 +655,7 @@ def test_a_hung_page_fails_the_episode_with_the_reason_and_the_next_reset_recove
         assert info["discard"] and info["browser_failure"] == "timeout"
         assert "did not answer within 3 s (hung)" in info["error"]
         assert still_alive(pids, within_s=3.0) == []
-        [msg], _ = env.reset(seed=0)  # a new browser
+        (*_, msg), _ = env.reset(seed=0)  # a new browser
         assert env._browser is not hung and "Task: Click on the" in msg["content"]
     finally:
         env.close()
@@ -675,8 +716,8 @@ def test_success_per_task_with_wilson_intervals():
     assert by_task["click-button"].pass_at_1 == 1.0 and by_task["focus-text"].pass_at_1 == 0.0
     lines = task_lines(by_task)
     assert lines == ["  click-button  pass@1 1.000 [0.342, 1.000] (95%) on 2 problems",
-                     "  focus-text    pass@1 0.000 [0.000, 0.658] (95%) on 2 problems, "
-                     "1 discarded"]
+                     ("  focus-text    pass@1 0.000 [0.000, 0.658] (95%) on 2 problems, "
+                      "1 discarded")]
     assert score_by_task([traj(0, None, True)], k=1) == {}
 
 
