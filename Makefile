@@ -41,10 +41,11 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# ruff, mypy and import-linter (their settings are in pyproject.toml), all pinned. import-linter
-# holds the layers of docs/architecture.md; its two extra contract types live in tools/.
+# ruff, mypy and import-linter (their settings are in pyproject.toml), all pinned. ruff checks the
+# tests, benchmarks and examples too; mypy the packages and tools/. import-linter holds the layers
+# of docs/architecture.md; its two extra contract types live in tools/.
 lint: setup
-	$(BIN)/ruff check agentrl environments servers trainers tools
+	$(BIN)/ruff check agentrl environments servers trainers tools tests benchmarks examples
 	$(BIN)/mypy
 	PYTHONPATH=. $(BIN)/lint-imports --no-cache
 

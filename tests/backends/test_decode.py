@@ -1,5 +1,6 @@
-"""The lean Llama decode step (agentrl.backends.cpu.decode): bit-identical to the transformers forward,
-used by the engine where it applies, and bypassed where it would not reproduce the model."""
+"""The lean Llama decode step (agentrl.backends.cpu.decode): bit-identical to the transformers
+forward, used by the engine where it applies, and bypassed where it would not reproduce the
+model."""
 
 from __future__ import annotations
 

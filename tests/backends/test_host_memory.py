@@ -1,5 +1,5 @@
-"""agentrl.backends.cpu.host_memory: the allocator settings that keep freed memory for the next step, and
-the trainer giving the heap back only after the engine freed a large KV cache."""
+"""agentrl.backends.cpu.host_memory: the allocator settings that keep freed memory for the next
+step, and the trainer giving the heap back only after the engine freed a large KV cache."""
 
 from __future__ import annotations
 

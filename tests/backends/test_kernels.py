@@ -1,6 +1,6 @@
-"""agentrl's CPU decode kernels (agentrl.backends.cpu.kernels): the row GEMM equals F.linear up to float32
-round-off on the shapes it takes and is F.linear on the others, each row independent of the
-batch; the kernel decode step equals the torch one up to round-off across Llama variants,
+"""agentrl's CPU decode kernels (agentrl.backends.cpu.kernels): the row GEMM equals F.linear up
+to float32 round-off on the shapes it takes and is F.linear on the others, each row independent
+of the batch; the kernel decode step equals the torch one up to round-off across Llama variants,
 writes the same KV cache, is what the engine runs for small float32 batches, and is optional."""
 
 from __future__ import annotations
@@ -177,7 +177,8 @@ def test_kernel_step_matches_the_torch_step(module, tiny_tokenizer, prompts, con
     assert not torch.equal(got[-1], want[-1])  # the kernels' own arithmetic ran
 
 
-def test_kernel_step_matches_at_extreme_activations_and_long_contexts(module, tiny_tokenizer, prompts):
+def test_kernel_step_matches_at_extreme_activations_and_long_contexts(module, tiny_tokenizer,
+                                                                       prompts):
     # The layer's exp (SiLU gating, attention softmax) is a vectorised polynomial with clamps:
     # gates scaled into the hundreds reach both clamps (exp(-gate) under- and overflowing) and
     # sharpen the softmax, and contexts of 40-60 columns run its vector loop over padded columns.

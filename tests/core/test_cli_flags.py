@@ -24,7 +24,8 @@ def test_eval_takes_both_spellings(flag):
     assert (args.num_problems, args.max_new_tokens) == (7, 9)
 
 
-@pytest.mark.parametrize("flag", ["--rollout.n_samples_per_prompt", "--rollout.n-samples-per-prompt"])
+@pytest.mark.parametrize("flag",
+                         ["--rollout.n_samples_per_prompt", "--rollout.n-samples-per-prompt"])
 def test_train_takes_both_spellings(flag):
     from trainers.cli import build_config
 

@@ -59,7 +59,8 @@ def test_jsonl_stores_each_screenshot_once_as_png_by_hash(tmp_path):
     path = tmp_path / "rollouts" / "step_1.jsonl"
     save_jsonl([traj, traj], path)
     pngs = sorted(p.name for p in (tmp_path / "rollouts" / "images").iterdir())
-    assert pngs == sorted({f"{Image(pixels=screen).sha256}.png", f"{Image(pixels=other).sha256}.png"})
+    assert pngs == sorted({f"{Image(pixels=screen).sha256}.png",
+                           f"{Image(pixels=other).sha256}.png"})
     line = path.read_text().splitlines()[0]
     assert '"data"' not in line and len(line) < 2000  # hashes, not pixels
     back = load_jsonl(path)[1]

@@ -7,7 +7,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-import agentrl  # noqa: F401  (registers the ids)
+import agentrl  # registers the ids
 from agentrl.models import load_tokenizer
 from environments.screenshot.actions import Click, Submit, Type, parse_action
 from environments.screenshot.click import ScreenClickEnv
@@ -58,7 +58,7 @@ def test_click_malformed_action_gets_feedback():
     env.np_random = np.random.default_rng(1)
     env.reset(seed=1)
     new, r, term, trunc, info = env.step("I don't know")
-    assert r == 0 and not term and info["malformed"]
+    assert r == 0 and not term and not trunc and info["malformed"]
     assert "not an action" in new[0]["content"][0]["text"]
 
 
@@ -97,8 +97,8 @@ def test_form_shows_what_was_typed_and_wrong_values_fail():
     env.step('type("XYZ")')
     after = env.render()
     assert env.typed["name"] == "XYZ" and not np.array_equal(before, after)
-    new, r, term, trunc, info = env.step("submit()")
-    assert term and r == 0.0 and info["success"] == 0.0
+    _, r, term, trunc, info = env.step("submit()")
+    assert term and not trunc and r == 0.0 and info["success"] == 0.0
 
 
 def test_form_type_without_focus_and_malformed():
@@ -118,7 +118,8 @@ def test_registered_and_seen_through_a_vision_model(env_id):
     tok = load_tokenizer("tiny-qwen2-vl")
     env = gym.make(env_id, tokenizer=tok)
     obs, _ = env.reset(seed=0)
-    assert len(obs["images"]) == 1 and obs["images"][0] in env.observation_space["images"].feature_space
+    assert len(obs["images"]) == 1
+    assert obs["images"][0] in env.observation_space["images"].feature_space
     vision = env.unwrapped.bridge._vision
     assert sum(t == vision.image_token_id for t in obs["tokens"]) == vision.encode(
         obs["images"][0]).num_tokens

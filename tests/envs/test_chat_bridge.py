@@ -295,9 +295,12 @@ def test_content_that_spells_special_tokens_stays_text(tok_fixture, request):
 
 
 class WithTools(ChatEnv):
-    tools = [{"type": "function", "function": {
-        "name": "lookup_unit", "description": "Convert a unit.",
-        "parameters": {"type": "object", "properties": {"unit": {"type": "string"}}}}}]
+    def __init__(self) -> None:
+        # Set per instance, as environments/math_tir does: a class-level list is one mutable
+        # object shared by every env of the class.
+        self.tools = [{"type": "function", "function": {
+            "name": "lookup_unit", "description": "Convert a unit.",
+            "parameters": {"type": "object", "properties": {"unit": {"type": "string"}}}}}]
 
     def reset(self, *, seed=None, options=None):
         return [{"role": "user", "content": "How many metres in a furlong?"}]

@@ -54,7 +54,7 @@ def test_agentrl_envs_cli_lists_builtins():
 @pytest.mark.parametrize("argv", [["trian"], ["envs", "--bogus"]])
 def test_cli_bad_command(argv):
     proc = subprocess.run([sys.executable, "-m", "agentrl.cli", *argv], capture_output=True,
-                          text=True)
+                          text=True, check=False)
     assert proc.returncode == 2
     if argv == ["trian"]:
         assert "Did you mean 'train'" in proc.stderr

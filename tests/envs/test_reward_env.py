@@ -33,7 +33,8 @@ def test_one_step_scores_and_terminates(tiny_tokenizer):
 
 def test_dict_reward_extras_go_to_info(tiny_tokenizer):
     env = ChatTokenEnv(
-        RewardEnv(DATA, lambda prompt, response, label: {"reward": 0.5, "format_ok": True}), tiny_tokenizer
+        RewardEnv(DATA, lambda prompt, response, label: {"reward": 0.5, "format_ok": True}),
+        tiny_tokenizer,
     )
     env.reset(seed=0)
     _, r, _, _, info = _answer(env, tiny_tokenizer, "x")

@@ -265,7 +265,8 @@ def test_nothing_runs_between_calls(sb: Sandbox, tier: str) -> None:
 
 
 _PIPES = ("import os\nfds = []\nfor fd in os.listdir('/proc/self/fd'):\n    fd = int(fd)\n"
-          "    try:\n        if fd > 2 and os.readlink(f'/proc/self/fd/{fd}').startswith('pipe:'):\n"
+          "    try:\n"
+          "        if fd > 2 and os.readlink(f'/proc/self/fd/{fd}').startswith('pipe:'):\n"
           "            fds.append(fd)\n    except OSError: pass\n")
 
 

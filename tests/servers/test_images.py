@@ -145,7 +145,7 @@ def test_an_image_placeholder_typed_in_the_text_stays_text(make_proxy, vlm_tok):
 class _ImageServer(BaseHTTPRequestHandler):
     png = b""
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+    def do_GET(self) -> None:
         if self.path == "/slow.png":
             time.sleep(3)
         body = self.png if self.path != "/big.png" else self.png * 400

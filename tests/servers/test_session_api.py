@@ -45,7 +45,7 @@ def test_edited_history_is_drift(proxy):
 def test_replies_sent_back_continue_from_the_sampled_tokens(make_proxy, tok):
     """#17 item 3: the model "samples" one token per character, which re-tokenizing its text
     would merge (two drift events before); the proxy reuses what it sampled instead."""
-    per_char = lambda text: [t for ch in text for t in tok.encode(ch, add_special_tokens=False)]  # noqa: E731
+    per_char = lambda text: [t for ch in text for t in tok.encode(ch, add_special_tokens=False)]
     p = make_proxy(FakeEngine(tok, token_ids_for=per_char))
     _three_turns(p.client("nc"))
     session = p.store.get("nc")

@@ -14,7 +14,8 @@ def tiny_cfg(tmp_path, **overrides):
                 if k in overrides}
     for name, changes in sections.items():
         overrides[name] = dataclasses.replace(getattr(cfg, name), **changes)
-    base = dict(run_dir=str(tmp_path / "run"), use_ray=False, progress=False, tensorboard=False)
+    base = {"run_dir": str(tmp_path / "run"), "use_ray": False, "progress": False,
+            "tensorboard": False}
     return dataclasses.replace(cfg, **{**base, **overrides})
 
 

@@ -37,31 +37,41 @@ DATA_PARALLEL = ["--env", "digits", "--num_policy_workers", "2", "--rollout.mode
             [*DATA_PARALLEL, "deepspeed", "--zero_stage", "4"],
             r"--zero_stage must be 1, 2 or 3 \(.*\), got 4",
         ),
-        (["--env", "digits", "--backend", "fsdp"], r"--backend 'fsdp' is unknown. Did you mean 'fsdp2'"),
-        (["--env", "digits", "--actor.device", "gpu"], r"--actor.device 'gpu' is not a device: use auto, cpu, cuda or cuda:N"),
-        (["--env", "digits", "--backend", "cpu", "--actor.device", "cuda"], r"--backend cpu .* use --backend local \(or auto\) on a GPU"),
-        (["--env", "digits", "--rollout.max_turns", "0"], r"--rollout.max_turns must be an integer >= 1 \(or unset for no limit\), got 0"),
-        (["--env", "digits", "--rollout.max_episode_tokens", "-5"], r"--rollout.max_episode_tokens must be an integer >= 1 .*got -5"),
-        (["--env", "digits", "--eval_every", "5"], r"--eval_every 5 needs held-out problems to evaluate: set --eval_problems N"),
-        (["--env", "digits", "--eval_every", "5", "--eval_problems", "8", "--keep_best", "pass@2"], r"--keep_best 'pass@2' is not an eval metric. Did you mean 'pass@1'\? Choose one of: pass@1, mean_return"),
-        (["--env", "digits", "--eval_problems", "8", "--keep_best", "mean_return"], r"--keep_best mean_return compares the checkpoints of periodic evals: set --eval_every N"),
+        (["--env", "digits", "--backend", "fsdp"],
+         r"--backend 'fsdp' is unknown. Did you mean 'fsdp2'"),
+        (["--env", "digits", "--actor.device", "gpu"],
+         r"--actor.device 'gpu' is not a device: use auto, cpu, cuda or cuda:N"),
+        (["--env", "digits", "--backend", "cpu", "--actor.device", "cuda"],
+         r"--backend cpu .* use --backend local \(or auto\) on a GPU"),
+        (["--env", "digits", "--rollout.max_turns", "0"],
+         r"--rollout.max_turns must be an integer >= 1 \(or unset for no limit\), got 0"),
+        (["--env", "digits", "--rollout.max_episode_tokens", "-5"],
+         r"--rollout.max_episode_tokens must be an integer >= 1 .*got -5"),
+        (["--env", "digits", "--eval_every", "5"],
+         r"--eval_every 5 needs held-out problems to evaluate: set --eval_problems N"),
+        (["--env", "digits", "--eval_every", "5", "--eval_problems", "8", "--keep_best", "pass@2"],
+         (r"--keep_best 'pass@2' is not an eval metric. Did you mean 'pass@1'\? Choose one of: "
+          r"pass@1, mean_return")),
+        (["--env", "digits", "--eval_problems", "8", "--keep_best", "mean_return"],
+         (r"--keep_best mean_return compares the checkpoints of periodic evals: set "
+          r"--eval_every N")),
         (["--env", "digits", "--keep_last", "0"], r"--keep_last must be >= 1 .*got 0"),
         (
             ["--env", "digits", "--algo.policy_loss", "cispo", "--algo.clip_low", "0",
              "--algo.clip_high", "0"],
-            r"--algo.clip_low=0 and --algo.clip_high=0 give CISPO the clip range .* = \[1, 1\], "
-            r"which is empty",
+            (r"--algo.clip_low=0 and --algo.clip_high=0 give CISPO the clip range .* = \[1, 1\], "
+             r"which is empty"),
         ),
         (
             ["--env", "digits", "--algo.policy_loss", "cispo", "--algo.clip_low", "-0.5",
              "--algo.clip_high", "0.2"],
-            r"--algo.clip_low=-0.5 and --algo.clip_high=0.2 give CISPO the clip range .* = "
-            r"\[1.5, 1.2\], which is inverted",
+            (r"--algo.clip_low=-0.5 and --algo.clip_high=0.2 give CISPO the clip range .* = "
+             r"\[1.5, 1.2\], which is inverted"),
         ),
         (
             ["--env", "digits", "--algo.policy_loss", "cispo", "--algo.clip_high", "-1.5"],
-            r"--algo.clip_low=1 and --algo.clip_high=-1.5 give CISPO the clip range .* = "
-            r"\[0, -0.5\], which is inverted",
+            (r"--algo.clip_low=1 and --algo.clip_high=-1.5 give CISPO the clip range .* = "
+             r"\[0, -0.5\], which is inverted"),
         ),
         (
             ["--env", "digits", "--algo.policy_loss", "cispo", "--algo.dual_clip", "3"],

@@ -60,8 +60,8 @@ BAD = [
     (["--dataset", "{dir}/nope.jsonl", "--reward_fn", "{dir}/rewards.py:score"],
      "does not exist"),
     (["--dataset", "{dir}/data.jsonl", "--reward_fn", "{dir}/rewards.py:score"],
-     r"data.jsonl:1: no 'prompt' key \(it has \['answer', 'question'\]\); name the column "
-     r"with --dataset.prompt_key"),
+     (r"data.jsonl:1: no 'prompt' key \(it has \['answer', 'question'\]\); name the column "
+      r"with --dataset.prompt_key")),
     (["--dataset", "{dir}/data.jsonl", "--dataset.prompt_key", "question", "--reward_fn",
       "{dir}/rewards.py:nope"], "'nope'"),
     (["--dataset", "{dir}/data.jsonl", "--dataset.prompt_key", "question", "--reward_fn",

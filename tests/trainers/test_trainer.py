@@ -17,12 +17,12 @@ from trainers.controller import Trainer
 from trainers.workers import TrainingError
 
 ALGOS = {
-    "ppo": dict(estimator="gae", critic_lr=3e-3),
-    "reinforce++": dict(estimator="reinforce"),
-    "reinforce++-baseline": dict(estimator="reinforce_baseline"),
-    "grpo": dict(estimator="group_norm"),
-    "dr-grpo": dict(estimator="dr_grpo", loss_agg="constant"),
-    "rloo": dict(estimator="rloo"),
+    "ppo": {"estimator": "gae", "critic_lr": 3e-3},
+    "reinforce++": {"estimator": "reinforce"},
+    "reinforce++-baseline": {"estimator": "reinforce_baseline"},
+    "grpo": {"estimator": "group_norm"},
+    "dr-grpo": {"estimator": "dr_grpo", "loss_agg": "constant"},
+    "rloo": {"estimator": "rloo"},
 }
 
 
@@ -45,7 +45,7 @@ def _learning_cases():
 def test_learning_raises_reward(name, cpu_kernels, make_cfg):
     cfg = make_cfg(algo=ALGOS[name], steps=25)
     summary = Trainer(cfg).run()
-    rewards = _rewards(cfg_path := __import__("pathlib").Path(cfg.run_dir))
+    rewards = _rewards(cfg_path := Path(cfg.run_dir))
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert len(rewards) == 25 and summary["steps"] == 25
     assert last > first + 0.15, f"{name}: reward {first:.3f} -> {last:.3f}"
@@ -202,7 +202,7 @@ def test_crash_while_saving_keeps_previous_checkpoint(make_cfg, recorded_rollout
     import trainers.checkpoint as ck
 
     def broken_save(obj, f):
-        open(f, "wb").write(b"partial")
+        Path(f).write_bytes(b"partial")
         raise OSError("disk full")
 
     monkeypatch.setattr(ck.torch, "save", broken_save)
@@ -225,9 +225,9 @@ def test_plot_writes_pngs(make_cfg, recorded_rollouts):
 
 
 LAYOUTS = {  # how a micro-batch reaches the model
-    "shared": dict(packing=True, share_prefixes=True),
-    "packed": dict(packing=True, share_prefixes=False),
-    "padded": dict(packing=False),
+    "shared": {"packing": True, "share_prefixes": True},
+    "packed": {"packing": True, "share_prefixes": False},
+    "padded": {"packing": False},
 }
 
 

@@ -142,8 +142,8 @@ def test_a_restarted_engine_joins_the_next_weight_group_before_it_samples(make_c
 
     import ray
 
-    import trainers.rollout_worker as rollout_worker
     from agentrl.engine.router import EngineGone, EngineRouter
+    from trainers import rollout_worker
 
     monkeypatch.setattr(rollout_worker, "RemoteEngine", _RemoteReceiver)
     monkeypatch.setattr(ray, "remote", lambda cls: types.SimpleNamespace(
@@ -157,7 +157,7 @@ def test_a_restarted_engine_joins_the_next_weight_group_before_it_samples(make_c
     worker.engine = router = EngineRouter([local, remote], restart=worker._restart_engine)
 
     def update(version: int) -> None:
-        epoch, world = worker.weight_group()
+        _, world = worker.weight_group()
         worker.weight_transfer("init_weight_transfer", {"rank_offset": 1, "world_size": world})
         for step, *args in (("start_weight_transfer",), ("receive_weights", {}),
                             ("finish_weight_transfer", version)):
