@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from agentrl.rollout.evaluate import format_interval
@@ -45,6 +46,9 @@ def run(cfg: TrainConfig) -> int:
     print(json.dumps(summary, indent=2))
     if "eval_change" in summary:
         print(eval_report(summary))
+        by_task = task_report(summary)
+        if by_task:
+            print(by_task)
     return 0
 
 
@@ -63,6 +67,30 @@ def eval_report(summary: dict[str, Any]) -> str:
         f"{after['pass@1']:.3f} {_bounds(after)}, change {change['pass@1']:+.3f} +- "
         f"{change['ci95']:.3f} (95% intervals: Wilson's for pass@1, paired for the change)"
     )
+
+
+def task_report(summary: dict[str, Any]) -> str:
+    """Held-out pass@1 before and after for each task, with 95% Wilson intervals over the
+    task's problems, for envs that name an episode's task (MiniWoB-v0; `score_by_task`), read
+    from the run's eval_before/eval_after.jsonl; "" for envs with one task or none."""
+    from agentrl.rollout.evaluate import score_by_task
+    from agentrl.trajectory_files import load_jsonl
+
+    paths = [Path(summary["run_dir"]) / f"{name}.jsonl" for name in ("eval_before", "eval_after")]
+    if not all(p.exists() for p in paths):
+        return ""
+    k = int(summary["eval_change"]["setting"]["samples_per_problem"])
+    before, after = (score_by_task(load_jsonl(p), k) for p in paths)
+    tasks = [t for t in after if t in before]
+    if len(tasks) < 2:
+        return ""
+    width = max(len(t) for t in tasks)
+    lines = [f"  {t:<{width}}  before {before[t].pass_at_1:.3f} "
+             f"{format_interval(before[t].pass_at_1_interval)}, after {after[t].pass_at_1:.3f} "
+             f"{format_interval(after[t].pass_at_1_interval)} on {after[t].num_problems} problems"
+             for t in tasks]
+    head = "held-out pass@1 per task (95% Wilson intervals over each task's problems):"
+    return "\n".join([head, *lines])
 
 
 def _bounds(result: dict[str, Any]) -> str:

@@ -205,6 +205,7 @@ def evaluate_engine(engine: Any, cfg: TrainConfig, tokenizer: Any) -> dict[str, 
         sampling=sampling_params(cfg, purpose="eval", temperature=cfg.eval_temperature),
         max_turns=cfg.rollout.max_turns,
         max_episode_tokens=cfg.rollout.max_episode_tokens,
+        max_concurrency=cfg.rollout.max_concurrency,
         progress=cfg.progress,
         env_timeout_s=cfg.rollout.env_timeout_s,
     ))

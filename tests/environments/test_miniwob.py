@@ -721,6 +721,32 @@ def test_success_per_task_with_wilson_intervals():
     assert score_by_task([traj(0, None, True)], k=1) == {}
 
 
+def test_train_reports_each_task_before_and_after(tmp_path):
+    from agentrl.trajectory_files import save_jsonl
+    from agentrl.types import Trajectory, Turn
+    from trainers.controller_run import task_report
+
+    def traj(i, task, correct):
+        return Trajectory(token_ids=[1, 2], loss_mask=[0, 1], logprobs=[0.0, 0.0],
+                          turns=[Turn(obs_start=0, start=1, end=2, reward=1.0 if correct else -1)],
+                          info={"prompt_index": i, "task": task, "correct": correct})
+
+    save_jsonl([traj(0, "click-button", False), traj(1, "enter-text", False),
+                traj(2, "click-button", True), traj(3, "enter-text", False)],
+               tmp_path / "eval_before.jsonl")
+    save_jsonl([traj(0, "click-button", True), traj(1, "enter-text", True),
+                traj(2, "click-button", True), traj(3, "enter-text", False)],
+               tmp_path / "eval_after.jsonl")
+    summary = {"run_dir": str(tmp_path), "eval_change": {"setting": {"samples_per_problem": 1}}}
+    assert task_report(summary).splitlines() == [
+        "held-out pass@1 per task (95% Wilson intervals over each task's problems):",
+        "  click-button  before 0.500 [0.095, 0.905], after 1.000 [0.342, 1.000] on 2 problems",
+        "  enter-text    before 0.000 [0.000, 0.658], after 0.500 [0.095, 0.905] on 2 problems"]
+    # One task (or an env that names none): nothing to add to the overall line.
+    save_jsonl([traj(0, "click-button", True)], tmp_path / "eval_after.jsonl")
+    assert task_report(summary) == ""
+
+
 def test_eval_and_rollout_refuse_bad_tasks_before_a_model_loads(monkeypatch, capsys, tmp_path):
     pytest.importorskip("miniwob", reason="the task list is the miniwob package's")
     from agentrl import models
