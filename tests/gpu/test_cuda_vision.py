@@ -10,7 +10,8 @@ import torch
 
 from agentrl.models.tiny import TINY_VLMS
 from tests.trainers._logprobs import sampled_logprob_gap
-from tests.trainers.test_vision_training import _is_vision, _rollout
+from tests.trainers._vision import is_vision
+from tests.trainers.test_vision_training import _rollout
 
 pytestmark = pytest.mark.gpu
 
@@ -46,4 +47,4 @@ def test_a_bf16_cuda_step_on_screenshot_episodes(tmp_path, name):
     metrics = worker.train(trajs, kl_coef=cfg.algo.kl_coef)
     assert torch.isfinite(torch.tensor(metrics["loss"])) and metrics["grad_norm"] > 0
     moved = [k for k, v in worker.model.named_parameters() if not torch.equal(v, before[k])]
-    assert any(_is_vision(k) for k in moved)
+    assert any(is_vision(k) for k in moved)

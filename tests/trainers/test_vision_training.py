@@ -11,13 +11,11 @@ import pytest
 import torch
 
 from agentrl import ChatEnv, ChatTokenEnv
-from agentrl.completion import SamplingParams
-from agentrl.engine.transformers_engine import TransformersEngine
 from agentrl.models.tiny import TINY_VLMS
-from agentrl.rollout import collect_sync
 from agentrl.types import Trajectory
 
 from ._logprobs import sampled_logprob_gap
+from ._vision import is_vision, vision_rollout
 
 
 class _Screens(ChatEnv):
@@ -64,28 +62,9 @@ def test_screenshot_turns_are_appended_and_match_a_full_rerender(name):
                 vision.encode(obs["images"][0]).tokens.count(vision.image_token_id)
 
 
-def _is_vision(name: str) -> bool:
-    """A parameter of the vision tower or projector (Qwen2-VL, LLaVA, Idefics3 names)."""
-    return any(part in name for part in ("visual", "vision_tower", "multi_modal_projector",
-                                         "vision_model", "connector"))
-
-
 def _rollout(name: str, model, tok, image_token: int) -> list[Trajectory]:
-    """Episodes as the trainer takes them: a random policy may sample its image placeholder
-    token, and the trainer discards such episodes (rl_step.discard_placeholders); whole groups
-    are kept, for the group baseline."""
-    from trainers.rl_step import discard_placeholders
-
-    with TransformersEngine(model, tok, max_batch_size=8, seed=0) as engine:
-        trajs = collect_sync(
-            engine, lambda: ChatTokenEnv(_Screens(), tok), num_prompts=3, n_samples_per_prompt=2,
-            sampling=SamplingParams(temperature=1.0, max_tokens=6, seed=0),
-        )
-    discard_placeholders(trajs, image_token)
-    spoilt = {t.group for t in trajs if t.discard}
-    kept = [t for t in trajs if t.group not in spoilt]
-    assert len(kept) >= 4, [t.info.get("error") for t in trajs]
-    return kept
+    """Episodes of `_Screens` as the trainer takes them (`_vision.vision_rollout`)."""
+    return vision_rollout(model, tok, image_token, _Screens)
 
 
 @pytest.fixture(scope="module", params=TINY_VLMS)
@@ -147,7 +126,7 @@ def test_a_training_step_on_screenshot_episodes(worker_and_rollouts):
     moved = [k for k, v in worker.model.named_parameters() if not torch.equal(v, before[k])]
     # The language model and the vision tower both learn from the screenshots.
     assert any("lm_head" in k or "embed_tokens" in k for k in moved)
-    assert any(_is_vision(k) for k in moved)
+    assert any(is_vision(k) for k in moved)
 
 
 def test_a_text_policy_refuses_screenshot_episodes(worker_and_rollouts, tmp_path):
@@ -181,7 +160,7 @@ def test_the_ppo_critic_sees_the_screenshots(name, tmp_path):
         metrics = worker.train(trajs, kl_coef=0.0)
         assert np.isfinite(metrics["value_loss"])
     moved = {k for k, v in critic.named_parameters() if not torch.equal(v, before[k])}
-    assert any(_is_vision(k) for k in moved), sorted(moved)[:5]
+    assert any(is_vision(k) for k in moved), sorted(moved)[:5]
     blank = [dataclasses.replace(t, images=[dataclasses.replace(im, pixels=np.zeros_like(
         im.pixels)) for im in t.images]) for t in trajs]
 
