@@ -10,6 +10,15 @@ All use the same prompts and sampling settings (temperature, top_p=1, top_k=0, m
 and count *useful* tokens: sampled tokens up to and including the end-of-sequence token. vLLM
 runs the model in a process of its own: its side reports that process's peak RSS too.
 
+Each side's tok/s is also printed as a fraction of the decode ceiling (benchmarks/roofline.py)
+at its batch (sequences per step: slots, or rows per `generate` call). Its rates are measured in
+the same run, in a child process like the sides (same machine, torch's default threads), before
+and after the sides, each figure the better of the two: the matrix rate at that many rows, the
+peak one, and a streaming read. The fraction divides by the ceiling at the rate of that row
+count (the one from the peak rate is printed beside it). It is conservative: tok/s includes
+prefill, and sequences that end early shrink the batch below the one the ceiling assumes. vLLM
+runs float32: its fraction uses the fp32 ceiling.
+
     python benchmarks/generation.py                         # CPU: 32 prompts x 4, 128 tokens
     python benchmarks/generation.py --sides engine,vllm     # the two engines only
     python benchmarks/generation.py --device cuda --prompts 256 --samples 8
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import resource
@@ -28,6 +38,7 @@ import subprocess
 import sys
 import time
 
+import roofline  # benchmarks/roofline.py
 from workloads import QUESTIONS  # benchmarks/workloads.py
 
 
@@ -156,6 +167,45 @@ def run_baseline(model, tok, prompts, args) -> dict:
     return {"tokens": tokens, "seconds": time.perf_counter() - t0}
 
 
+def side_batch(side: str, args) -> int:
+    """Sequences a decode step of `side` holds at most."""
+    rows = args.prompts * args.samples
+    if side == "baseline":
+        return min(rows, args.baseline_batch or rows)
+    return min(rows, args.max_batch_size)
+
+
+def side_dtype(side: str, args) -> str:
+    return "bf16" if side != "vllm" and args.dtype == "bfloat16" else "fp32"
+
+
+def measure_roofline(prompts: list[list[int]], args) -> dict:
+    """The rates at the sides' batch sizes, and the mean context of a decode step."""
+    shape = roofline.decode_shape(args.model)
+    rows = sorted({side_batch(s, args) for s in args.sides.split(",") if s})
+    return {"rates": roofline.measure(args.device, shape, rows),
+            "shape": dataclasses.asdict(shape),
+            "context": round(sum(map(len, prompts)) / len(prompts) + args.max_tokens / 2)}
+
+
+def print_fraction(side: str, tok_s: float, measured: dict, args) -> None:
+    shape = roofline.DecodeShape(**measured["shape"])
+    b, dtype, rates = side_batch(side, args), side_dtype(side, args), measured["rates"]
+    if dtype not in rates["gemm"]:
+        print(f"{side:>8}: no {dtype} ceiling: {rates.get('bf16_skipped', 'not measured')}")
+        return
+    c = roofline.ceilings(shape, rates, b, measured["context"], dtype)
+    assert c["rows_tok_s"] is not None, "measure_roofline measures every side's batch"
+    print(f"{side:>8}: {tok_s:.1f} tok/s = {tok_s / c['rows_tok_s']:.2%} of the {dtype} decode "
+          f"ceiling at {b} sequences, context {c['context']}, from the {b}-row matmul rate "
+          f"({c['rows_tok_s']:,.0f} tok/s, {c['rows_bound']}-bound); "
+          f"{tok_s / c['peak_tok_s']:.2%} of the one from the peak rate "
+          f"({c['peak_tok_s']:,.0f} tok/s, {c['peak_bound']}-bound)", flush=True)
+    if tok_s > c["rows_tok_s"]:
+        print(f"{'':>10}above the ceiling: its rates were cut by other jobs on this machine "
+              f"(load average {os.getloadavg()[0]:.2f}); measure on a quiet one")
+
+
 def child(args) -> None:
     import torch
 
@@ -164,6 +214,9 @@ def child(args) -> None:
     torch.manual_seed(0)
     tok = load_tokenizer(args.model)
     prompts = build_prompts(tok, args.prompts)
+    if args.child == "roofline":
+        print("RESULT " + json.dumps(measure_roofline(prompts, args)))
+        return
     if args.child == "vllm":
         rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         out = run_vllm(prompts, args)
@@ -172,6 +225,7 @@ def child(args) -> None:
         rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         fn = run_engine if args.child == "engine" else run_baseline
         out = fn(model, tok, prompts, args)
+    out["threads"] = torch.get_num_threads()
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out["rss_after_load_mb"] = rss_loaded / 1024
     if args.device.startswith("cuda"):
@@ -204,7 +258,7 @@ def main() -> None:
         "--sides", default="baseline,engine,vllm",
         help="comma-separated sides to run, in order: baseline, engine, vllm",
     )
-    ap.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=(*SIDES, "roofline"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -217,18 +271,16 @@ def main() -> None:
 
     print(f"CPU: {cpu_model()} [{vector_flags()}], {os.cpu_count()} CPUs; load average before: "
           f"{os.getloadavg()[0]:.1f}", flush=True)
+    print("roofline, measured now in a child process as the sides run:", flush=True)
+    before = run_side("roofline")
+    roofline.print_rates(before["rates"])
     results = {}
     for side in sides:
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--child", side]
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=os.environ)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if line is None:
-            sys.exit(f"{side} failed:\n{proc.stderr[-3000:]}")
-        results[side] = json.loads(line[7:])
-        r = results[side]
+        results[side] = r = run_side(side)
         print(
             f"{side:>8}: {r['tokens']} useful tokens in {r['seconds']:.1f}s = "
-            f"{r['tokens'] / r['seconds']:.1f} tok/s, peak RSS {r['peak_rss_mb']:.0f} MB "
+            f"{r['tokens'] / r['seconds']:.1f} tok/s ({threads(side, r)}, load "
+            f"{os.getloadavg()[0]:.2f}), peak RSS {r['peak_rss_mb']:.0f} MB "
             f"(after model load {r['rss_after_load_mb']:.0f} MB)"
             + (f", peak CUDA {r['peak_cuda_mb']:.0f} MB" if "peak_cuda_mb" in r else "")
             + (f", vLLM engine process {r['engine_process_rss_mb']:.0f} MB"
@@ -244,7 +296,32 @@ def main() -> None:
             print(f"ratio {a}/{b} useful tok/s: {rate(a) / rate(b):.2f}x")
     if "engine" in results:
         print(f"engine counters {results['engine']['counters']}")
+    print("roofline again, after the sides:", flush=True)
+    measured = run_side("roofline")
+    roofline.print_rates(measured["rates"])
+    measured["rates"] = roofline.best_rates(before["rates"], measured["rates"])
+    print("tok/s as a fraction of the decode ceiling (each rate the better of the two "
+          "measurements):")
+    for side, r in results.items():
+        print_fraction(side, r["tokens"] / r["seconds"], measured, args)
     print(f"load average after: {os.getloadavg()[0]:.1f}")
+
+
+def threads(side: str, result: dict) -> str:
+    if side == "vllm":  # the model runs in vLLM's engine process, which sets its own
+        return ("threads: vLLM's own, VLLM_CPU_OMP_THREADS_BIND="
+                f"{os.environ.get('VLLM_CPU_OMP_THREADS_BIND', 'auto')}")
+    return f"{result['threads']} torch threads"
+
+
+def run_side(which: str) -> dict:
+    """Run this script with `--child which` and return its RESULT line's JSON."""
+    cmd = [sys.executable, __file__, *sys.argv[1:], "--child", which]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=os.environ)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        sys.exit(f"{which} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line[7:])
 
 
 SIDES = ("baseline", "engine", "vllm")

@@ -4,10 +4,11 @@
 # the repository root, in two calls (each carries half of the embedded model's GGUF):
 #   1. carry .whl .gguf/part-a .gguf/dist-info.tar .gguf/sha256:  bash benchmarks/gpu_check.sh tests
 #      installs the wheels, records the GPU and versions, measures its matrix rates and memory
-#      bandwidth (gpu_roofline.py), runs tests/gpu;
+#      bandwidth (roofline.py --measure-only), runs tests/gpu;
 #   2. carry .gguf/part-b (same machine, still warm):              bash benchmarks/gpu_check.sh bench
-#      joins the GGUF, then the engine's tok/s at 64 and 256 sequences against a padded
-#      `generate` (bf16, then fp32) beside the roofline, and the GRPO step against TRL (bf16,
+#      joins the GGUF, then the decode roofline at 64 and 256 sequences (roofline.py, the rates
+#      at those rows too), the engine's tok/s at 64 and 256 sequences against a padded
+#      `generate` (bf16, then fp32) as a fraction of it, and the GRPO step against TRL (bf16,
 #      gradient checkpointing off on both sides) on this GPU.
 # Logs land in $OUT (the device tool's folder) or /tmp/gpu-check.
 set -u -o pipefail
@@ -32,7 +33,8 @@ tests)
 torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
     git log -1 --format='commit %h %s' 2>/dev/null | cut -c1-100
   } 2>&1 | tee "$out/machine.txt"
-  $py benchmarks/gpu_roofline.py --measure-only --out /tmp/rates.json 2>&1 | tee "$out/rates.txt"
+  $py benchmarks/roofline.py --device cuda --measure-only --out /tmp/rates.json 2>&1 |
+    tee "$out/rates.txt"
   cp /tmp/rates.json "$out/"
   $py -m pytest tests/gpu -rA -p no:cacheprovider --durations=5 >"$out/tests.txt" 2>&1
   grep -E "max \||^(PASSED|FAILED|ERROR|SKIPPED)|=====.*(passed|failed)" "$out/tests.txt"
@@ -45,7 +47,7 @@ bench)
   t0=$(date +%s)
   $py -c "from agentrl.models.embedded import embedded_dir; print(embedded_dir())" || exit 1
   echo "embedded model converted in $(($(date +%s) - t0)) s"
-  $py benchmarks/gpu_roofline.py --rates /tmp/rates.json --out "$out/roofline.json" \
+  $py benchmarks/roofline.py --device cuda --batch 64 256 --out "$out/roofline.json" \
     2>&1 | tee "$out/roofline.txt"
   cd benchmarks || exit 1
   gen() {  # $1 dtype, $2 prompts (x 4 samples: 64 or 256 sequences, all in one engine batch)
