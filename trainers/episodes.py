@@ -20,18 +20,14 @@ logger = logging.getLogger(__name__)
 def env_kwargs(cfg: TrainConfig, *, eval_split: bool = False) -> dict[str, Any]:
     """The keyword arguments the run's env (its training or held-out split) is made with."""
     from agentrl.envs import resolve_env_id
-    from agentrl.envs.registry import env_takes
+    from agentrl.envs.registry import with_turn_budget
 
     kwargs: dict[str, Any] = dict(cfg.env_kwargs)
     if cfg.dataset.path:
         kwargs.update(cfg.single_turn_kwargs(eval_split=eval_split))
     if eval_split:
         kwargs.update(cfg.eval_env_kwargs)
-    # The rollout loop enforces the run's turn and token budgets. An env whose own task rule
-    # depends on its turn limit (math-tir: the last turn must answer) is told the turn budget.
-    if cfg.rollout.max_turns is not None and env_takes(resolve_env_id(cfg.env), "max_turns"):
-        kwargs.setdefault("max_turns", cfg.rollout.max_turns)
-    return kwargs
+    return with_turn_budget(resolve_env_id(cfg.env), kwargs, cfg.rollout.max_turns)
 
 
 def env_factory(cfg: TrainConfig, tokenizer: Any, *, eval_split: bool = False) -> Callable[[], Any]:

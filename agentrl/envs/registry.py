@@ -154,6 +154,16 @@ def env_takes(id: str, name: str) -> bool:
         return False
 
 
+def with_turn_budget(id: str, kwargs: dict[str, Any], max_turns: int | None) -> dict[str, Any]:
+    """`kwargs` with the run's turn budget added for an env that takes `max_turns` (unless they
+    set it): the rollout loop enforces the budget either way, but an env whose own rule depends
+    on it (math-tir: the last turn must answer; MiniWoB: an episode out of turns scores -1) has
+    to know it. train, eval and rollout all build their env arguments through this."""
+    if max_turns is None or "max_turns" in kwargs or not env_takes(id, "max_turns"):
+        return kwargs
+    return {**kwargs, "max_turns": max_turns}
+
+
 def resolve_env_id(name: str) -> str:
     """Map a CLI name ("math-tir"), a full id, or user code naming an env to a registered id,
     with a did-you-mean. User code is imported first: `module:ID` (Gymnasium's convention, e.g.

@@ -85,7 +85,7 @@ def run(args: RolloutArgs) -> int:
 
     try:
         env_id = resolve_env_id(args.env)
-        kwargs = env_arguments(env_id, args.env_kwargs, task=args.task)
+        kwargs = env_arguments(env_id, args.env_kwargs, task=args.task, max_turns=args.max_turns)
         preflight_env(args.env, env_id, kwargs)
         sampling = args.sampling()
         tokenizer = load_tokenizer(args.model)

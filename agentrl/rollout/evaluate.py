@@ -332,13 +332,17 @@ class EvalArgs(EpisodeOptions):
 
 def env_kwargs_for(args: EvalArgs, env_id: str) -> dict[str, Any]:
     """Constructor arguments for `env_id`: split and data options only if it takes them."""
-    return env_arguments(env_id, args.env_kwargs, task=args.task, split=args.split)
+    return env_arguments(env_id, args.env_kwargs, task=args.task, split=args.split,
+                         max_turns=args.max_turns)
 
 
 def env_arguments(env_id: str, env_kwargs: str, *, task: str | None = None,
-                  split: str | None = None) -> dict[str, Any]:
-    """An env's constructor arguments from the --env_kwargs JSON, --task and a split (passed
-    only if the env takes one); a ValueError naming the flag for what the env cannot take."""
+                  split: str | None = None, max_turns: int | None = None) -> dict[str, Any]:
+    """An env's constructor arguments from the --env_kwargs JSON, --task, a split (passed
+    only if the env takes one) and --max_turns (`with_turn_budget`); a ValueError naming the
+    flag for what the env cannot take."""
+    from agentrl.envs.registry import with_turn_budget
+
     try:
         extra = json.loads(env_kwargs)
     except json.JSONDecodeError as e:
@@ -358,7 +362,8 @@ def env_arguments(env_id: str, env_kwargs: str, *, task: str | None = None,
                              f"differ: give one")
         extra["task"] = task
     takes_split = split is not None and (accepted is None or "split" in accepted)
-    return {**({"split": split} if takes_split else {}), **extra}
+    return with_turn_budget(env_id, {**({"split": split} if takes_split else {}), **extra},
+                            max_turns)
 
 
 def preflight_env(env: str, env_id: str, kwargs: dict[str, Any]) -> None:

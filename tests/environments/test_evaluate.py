@@ -13,7 +13,14 @@ import gymnasium as gym
 import pytest
 
 from agentrl.completion import Completion, SamplingParams
-from agentrl.rollout.evaluate import EvalArgs, env_kwargs_for, evaluate, pass_at_k, score
+from agentrl.rollout.evaluate import (
+    EvalArgs,
+    env_arguments,
+    env_kwargs_for,
+    evaluate,
+    pass_at_k,
+    score,
+)
 from agentrl.types import Trajectory, Turn
 from environments.math_tir.data import generate_problems
 
@@ -171,6 +178,19 @@ def test_env_kwargs_for_cli():
         env_kwargs_for(EvalArgs(env_kwargs="[1]"), "agentrl/MathTIR-v0")
     # An env without splits gets none.
     assert env_kwargs_for(EvalArgs(env="reverse"), "agentrl/Reverse-v0") == {}
+
+
+def test_the_turn_budget_reaches_an_env_that_takes_one():
+    """--max_turns is enforced by the rollout loop, and an env whose own rule depends on it is
+    told it, as `agentrl train` tells it --rollout.max_turns (MiniWoB scores an episode out of
+    turns -1; truncated by the loop alone it scored 0)."""
+    args = EvalArgs(env="math-tir", max_turns=3)
+    assert env_kwargs_for(args, "agentrl/MathTIR-v0") == {"split": "eval", "max_turns": 3}
+    # --env_kwargs' own max_turns wins; an env that takes no max_turns gets none.
+    args = EvalArgs(env="math-tir", env_kwargs='{"max_turns": 2}', max_turns=3)
+    assert env_kwargs_for(args, "agentrl/MathTIR-v0")["max_turns"] == 2
+    assert env_kwargs_for(EvalArgs(env="reverse", max_turns=3), "agentrl/Reverse-v0") == {}
+    assert env_arguments("agentrl/MiniWoB-v0", "{}", max_turns=2) == {"max_turns": 2}
 
 
 def test_the_former_data_flags_become_env_kwargs(caplog):
