@@ -4,6 +4,7 @@ learning rate the preset measured for that model, and a model it was not measure
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -51,3 +52,23 @@ def test_a_model_the_preset_was_not_measured_on_needs_a_learning_rate(tmp_path):
         build_config(["--config", str(path)])
     path.write_text(json.dumps({"env": "math-tir", "actor": {"model": "tiny", "lr": 1e-3}}))
     assert build_config(["--config", str(path)]).actor.lr == 1e-3
+
+
+def test_the_miniwob_preset_is_the_web_agent_headline():
+    from environments.miniwob.tasks import resolve_tasks
+    from trainers.presets import MINIWOB_LRS
+
+    cfg = build_config(["--preset", "miniwob"])
+    for name in ("miniwob", "agentrl/MiniWoB-v0"):  # --env picks the preset too
+        assert dataclasses.replace(build_config(["--env", name]), env="miniwob") == cfg
+    tasks = resolve_tasks(str(cfg.env_kwargs["task"]))
+    assert len(tasks) >= 6 and "enter-text" in tasks
+    assert (cfg.env_kwargs["observation"], cfg.env_kwargs["split"]) == ("dom", "train")
+    assert cfg.eval_env_kwargs == {"split": "eval"}  # held-out page seeds
+    # Every task gets the same number of held-out pages (problem i is task i mod n), sampled.
+    assert cfg.eval_problems % len(tasks) == 0 and cfg.eval_problems // len(tasks) >= 8
+    assert (cfg.eval_samples, cfg.eval_temperature) == (1, 1.0)
+    assert (cfg.algo.estimator, cfg.actor.lr) == ("group_norm", MINIWOB_LRS[cfg.actor.model])
+    # One browser per episode in flight: bounded for a 2-core machine; actions are short.
+    assert cfg.rollout.max_concurrency <= 16 and cfg.rollout.max_new_tokens <= 32
+    assert cfg.rollout.max_turns is not None and cfg.rollout.max_turns <= 3
