@@ -183,6 +183,14 @@ def decode(data: bytes) -> str:
     return data.decode("utf-8", errors="replace")
 
 
+def said(status: Status, stderr: bytes) -> bytes:
+    """A run's stderr, with the reason a sandbox_error that printed nothing failed (one-shot
+    runs and session calls alike: a log line or observation never shows an empty cause)."""
+    if status == "sandbox_error" and not stderr:
+        return b"agentrl.sandbox: the sandbox failed to start or to clean up\n"
+    return stderr
+
+
 def classify(child: Child, event: PumpEvent, oom_before: int = 0) -> tuple[Status, int | None]:
     """The status of an execution that ended with `event`; call after `child.close()`."""
     if not child.started or child.leaked:
@@ -214,7 +222,5 @@ def run_once(cfg: SandboxConfig, plan: Plan, code: str, timeout_s: float,
     status, rc = classify(child, event)
     if status in ("error", "killed") and looks_oom(stderr):
         status = "oom"
-    if status == "sandbox_error" and not stderr:
-        stderr = b"agentrl.sandbox: the sandbox failed to start or to clean up\n"
-    return ExecResult(status, rc, decode(stdout), decode(stderr), time.monotonic() - clock,
-                      truncated)
+    return ExecResult(status, rc, decode(stdout), decode(said(status, stderr)),
+                      time.monotonic() - clock, truncated)

@@ -28,7 +28,7 @@ from typing import Self
 
 from agentrl.sandbox.command import Plan
 from agentrl.sandbox.config import ExecResult, SandboxConfig, Status
-from agentrl.sandbox.launch import StartError, classify, decode, start
+from agentrl.sandbox.launch import StartError, classify, decode, said, start
 from agentrl.sandbox.process import Child
 
 _HEADER = struct.Struct("!Qd16s")  # Must match guest.py.
@@ -134,8 +134,8 @@ class Session:
         stdout, stderr, truncated = child.take_output()
         status, rc = classify(child, event, oom_before)
         self._lost = f"status {status}" if status != "ok" else "the code exited it"
-        return ExecResult(status, rc, decode(stdout), decode(stderr), time.monotonic() - clock,
-                          truncated)
+        return ExecResult(status, rc, decode(stdout), decode(said(status, stderr)),
+                          time.monotonic() - clock, truncated)
 
     def _end(self, child: Child) -> None:
         """Kill this call's interpreter; the next call starts a fresh one."""

@@ -361,3 +361,18 @@ def test_a_cell_that_takes_over_its_interpreter_reaches_no_other_session(sb: San
         assert neighbour.run("print('real')").stdout == "real\n"
     with sb.session() as later:
         assert later.run("print('real')").stdout == "real\n"
+
+
+def test_a_session_sandbox_error_says_why_even_with_nothing_on_stderr(
+        sb: Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session call the sandbox itself failed (it never came up, or left a process behind)
+    may have printed nothing; its stderr still names the cause, as a one-shot run's does, so
+    the log line an env writes for it (math-tir: 'sandbox_error in math-tir episode: ...') is
+    never empty."""
+    import agentrl.sandbox.session as session_module
+
+    monkeypatch.setattr(session_module, "classify", lambda *_a, **_k: ("sandbox_error", None))
+    with sb.session() as s:
+        r = s.run("import os\nos._exit(3)")
+    assert r.status == "sandbox_error", r
+    assert "the sandbox failed to start or to clean up" in r.stderr, r
