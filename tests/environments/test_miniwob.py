@@ -27,21 +27,14 @@ from gymnasium.utils.env_checker import check_env
 
 import agentrl  # registers the ids
 from environments.miniwob import actions as act
-from environments.miniwob.browser import BrowserUnavailableError, find_browser
+from environments.miniwob.browser import BrowserUnavailableError
+from tests.browsers import browser_unavailable
 from tests.processes import alive, still_alive
 
 ENV_ID = "agentrl/MiniWoB-v0"
 
 
-def _unavailable() -> str | None:
-    try:
-        find_browser()
-    except BrowserUnavailableError as e:
-        return str(e)
-    return None
-
-
-UNAVAILABLE = _unavailable()
+UNAVAILABLE = browser_unavailable()
 browser = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no browser here: {UNAVAILABLE}")
 
 

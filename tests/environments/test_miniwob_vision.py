@@ -7,28 +7,17 @@ Chromium, its driver or the Python packages."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
 
 from agentrl.models.tiny import TINY_VLMS
-from environments.miniwob.browser import BrowserUnavailableError, find_browser
+from tests.browsers import browser_unavailable
 from tests.trainers._logprobs import sampled_logprob_gap
-from tests.trainers._vision import is_vision, vision_rollout
+from tests.trainers._vision import blanked, is_vision, vision_rollout
 from tests.trainers.conftest import tiny_cfg
 
-
-def _unavailable() -> str | None:
-    try:
-        find_browser()
-    except BrowserUnavailableError as e:
-        return str(e)
-    return None
-
-
-UNAVAILABLE = _unavailable()
+UNAVAILABLE = browser_unavailable()
 pytestmark = [pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no browser here: {UNAVAILABLE}"),
               pytest.mark.slow]  # a VLM, four Chromiums and a rollout: ~20-40 s per family
 
@@ -86,9 +75,7 @@ def test_the_trainer_reads_the_screenshots(worker_and_episodes):
     """Blanked screenshots, same tokens: other log-probs (so the equality above is not one of
     a model that ignores its images)."""
     worker, episodes = worker_and_episodes
-    blank = [dataclasses.replace(t, images=[dataclasses.replace(im, pixels=np.zeros_like(
-        im.pixels)) for im in t.images]) for t in episodes]
-    gap, _ = sampled_logprob_gap(worker, blank)
+    gap, _ = sampled_logprob_gap(worker, blanked(episodes))
     assert gap > 1e-3
 
 

@@ -4,14 +4,23 @@ discarded as the trainer does, whole groups kept."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from agentrl import ChatEnv, ChatTokenEnv
 from agentrl.completion import SamplingParams
 from agentrl.engine.transformers_engine import TransformersEngine
 from agentrl.rollout import collect_sync
 from agentrl.types import Trajectory
+
+
+def blanked(trajs: list[Trajectory]) -> list[Trajectory]:
+    """The same episodes with every screenshot blacked out (same tokens, other pixels)."""
+    return [dataclasses.replace(t, images=[dataclasses.replace(im, pixels=np.zeros_like(im.pixels))
+                                           for im in t.images]) for t in trajs]
 
 
 def is_vision(name: str) -> bool:

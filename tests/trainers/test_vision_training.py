@@ -15,7 +15,7 @@ from agentrl.models.tiny import TINY_VLMS
 from agentrl.types import Trajectory
 
 from ._logprobs import sampled_logprob_gap
-from ._vision import is_vision, vision_rollout
+from ._vision import blanked, is_vision, vision_rollout
 
 
 class _Screens(ChatEnv):
@@ -112,8 +112,7 @@ def test_blanked_images_change_the_logprobs(worker_and_rollouts):
     """The trainer really reads the pixels: the same tokens with other screenshots score
     differently."""
     worker, trajs = worker_and_rollouts
-    blank = [dataclasses.replace(t, images=[dataclasses.replace(im, pixels=np.zeros_like(
-        im.pixels)) for im in t.images]) for t in trajs]
+    blank = blanked(trajs)
     gap, _ = sampled_logprob_gap(worker, blank)
     assert gap > 1e-3
 
@@ -161,8 +160,7 @@ def test_the_ppo_critic_sees_the_screenshots(name, tmp_path):
         assert np.isfinite(metrics["value_loss"])
     moved = {k for k, v in critic.named_parameters() if not torch.equal(v, before[k])}
     assert any(is_vision(k) for k in moved), sorted(moved)[:5]
-    blank = [dataclasses.replace(t, images=[dataclasses.replace(im, pixels=np.zeros_like(
-        im.pixels)) for im in t.images]) for t in trajs]
+    blank = blanked(trajs)
 
     def values(episodes):
         from trainers.batch import add_images, collate
