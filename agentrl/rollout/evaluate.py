@@ -399,43 +399,16 @@ def _constructor_params(env_id: str) -> set[str] | None:
 
 def main(argv: list[str]) -> int:
     try:
-        args = parse_flags(EvalArgs, _data_flags_as_env_kwargs(argv), prog="agentrl eval",
-                           doc=__doc__, renamed={"--max_tokens": "--max_new_tokens"})
+        if section := next((a for a in argv if a.startswith("--data.")), None):
+            # tyro's refusal of a dotted flag suggests nothing; eval has no sections.
+            raise ValueError(f"{section.partition('=')[0]} is not a flag of eval: an env's own "
+                             """options go in --env_kwargs, e.g. --env_kwargs '{"tasks": ...}'""")
+        args = parse_flags(EvalArgs, argv, prog="agentrl eval", doc=__doc__,
+                           renamed={"--max_tokens": "--max_new_tokens"})
     except ValueError as e:
         print(f"agentrl eval: {e}", file=sys.stderr)
         return 2
     return run(args)
-
-
-_DATA_FLAGS = {"--data.path": "data_path", "--data.question_key": "question_key",
-               "--data.answer_key": "answer_key", "--data.tasks": "tasks",
-               "--data.difficulty": "difficulty"}
-"""The math envs' options eval once declared as its own flags (`--data.tasks X`): until the next
-release they still work, as the env_kwargs they are."""
-
-
-def _data_flags_as_env_kwargs(argv: list[str]) -> list[str]:
-    out: list[str] = []
-    moved: dict[str, Any] = {}
-    it = iter(argv)
-    for a in it:
-        flag, eq, value = a.partition("=")
-        if flag in _DATA_FLAGS:
-            moved[_DATA_FLAGS[flag]] = value if eq else next(it, "")
-        else:
-            out.append(a)
-    if not moved:
-        return out
-    logger.warning("agentrl eval: --data.* flags are now env arguments: pass --env_kwargs '%s' "
-                "(the old spelling goes away in the next release)", json.dumps(moved))
-    for i, a in enumerate(out):  # merged into the --env_kwargs given, either spelling
-        if a == "--env_kwargs" and i + 1 < len(out):
-            out[i + 1] = json.dumps({**moved, **json.loads(out[i + 1])})
-            return out
-        if a.startswith("--env_kwargs="):
-            out[i] = "--env_kwargs=" + json.dumps({**moved, **json.loads(a.partition("=")[2])})
-            return out
-    return [*out, "--env_kwargs", json.dumps(moved)]
 
 
 def run(args: EvalArgs) -> int:

@@ -193,15 +193,13 @@ def test_the_turn_budget_reaches_an_env_that_takes_one():
     assert env_arguments("agentrl/MiniWoB-v0", "{}", max_turns=2) == {"max_turns": 2}
 
 
-def test_the_former_data_flags_become_env_kwargs(caplog):
-    """eval's math-only --data.* flags are env arguments now; the old spelling still works for
-    one release, merged into --env_kwargs, with a warning that shows the new one."""
-    from agentrl.rollout.evaluate import _data_flags_as_env_kwargs
+def test_a_data_flag_is_refused_pointing_at_env_kwargs(capsys):
+    """eval has no --data.* flags (an env's options are --env_kwargs): one is refused, exit 2,
+    with a line that says where the option goes, before anything loads."""
+    from agentrl.rollout.evaluate import main
 
-    argv = _data_flags_as_env_kwargs(["--data.tasks", "gsm_symbolic", "--data.difficulty=easy",
-                                      "--env_kwargs", '{"max_turns": 2}', "-k", "2"])
-    merged = '{"tasks": "gsm_symbolic", "difficulty": "easy", "max_turns": 2}'
-    assert argv == ["--env_kwargs", merged, "-k", "2"]
-    assert "pass --env_kwargs '{\"tasks\": \"gsm_symbolic\"" in caplog.text
-    assert _data_flags_as_env_kwargs(["--env_kwargs={\"max_turns\": 2}", "--data.tasks", "x"]) == [
-        '--env_kwargs={"tasks": "x", "max_turns": 2}']
+    for flag in (["--data.tasks", "basic_arithmetic"], ["--data.path=problems.jsonl"]):
+        assert main(["--env", "math-tir", *flag]) == 2
+        err = capsys.readouterr().err
+        assert f"agentrl eval: {flag[0].partition('=')[0]} is not a flag of eval" in err
+        assert "--env_kwargs '{\"tasks\": ...}'" in err
