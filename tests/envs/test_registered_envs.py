@@ -12,6 +12,7 @@ from gymnasium.utils.env_checker import check_env
 
 import agentrl
 from agentrl.envs.registry import env_factory
+from tests.browsers import browser_unavailable
 
 # agentrl's own ids (the library's and the built-in catalog's), not the ones tests register.
 IDS = [e.id for e in agentrl.list_envs() if e.id.startswith("agentrl/")]
@@ -42,13 +43,8 @@ BROWSER_ENVS = {"agentrl/MiniWoB-v0"}
 
 
 def _skip_without_browser(env_id):
-    if env_id in BROWSER_ENVS:
-        from environments.miniwob.browser import BrowserUnavailableError, find_browser
-
-        try:
-            find_browser()
-        except BrowserUnavailableError as e:
-            pytest.skip(f"no browser here: {e}")
+    if env_id in BROWSER_ENVS and (unavailable := browser_unavailable()) is not None:
+        pytest.skip(f"no browser here: {unavailable}")
 
 
 def _make(env_id, tok):

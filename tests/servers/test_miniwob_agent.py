@@ -13,18 +13,15 @@ from agentrl.engine.fakes import FakeEngine
 from agentrl.models import load_tokenizer
 from agentrl.models.vision import vision_processor
 from agentrl.plugins import load_callable
+from tests.browsers import browser_unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def browser_available():
-    from environments.miniwob.browser import BrowserUnavailableError, find_browser
-
-    try:
-        find_browser()
-    except BrowserUnavailableError as e:
-        pytest.skip(f"no browser here: {e}")
+    if (unavailable := browser_unavailable()) is not None:
+        pytest.skip(f"no browser here: {unavailable}")
     yield
     from environments.miniwob.pool import close_pool
 
