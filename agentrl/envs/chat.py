@@ -42,6 +42,7 @@ class ChatEnv:
     - `tools` (OpenAI function schemas) are rendered through the chat template; where the
       template ignores them, into the system message (`agentrl.envs.tool_calls.fold_tools`),
       unless the class sets `fold_tools = False` (its prompt explains its tools itself).
+    - `oracle_action()` (optional) answers the current observation with a scripted policy.
     - Images go in list-of-parts content, `{"type": "image", "image": uint8 HxWx3}`. An env
       that shows images sets the class attribute `shows_images = True` (so the bridge defaults
       to a vision-language model and refuses a text-only one) and `image_shape` (H, W, 3), the
@@ -64,6 +65,12 @@ class ChatEnv:
 
     def close(self) -> None:
         """Release resources (sandboxes, files). Called when the token env closes."""
+
+    def oracle_action(self) -> str:
+        """Optional: a scripted policy's answer to the current observation, in the env's own
+        action language, for a supervised warm-up before RL (`--warmup.episodes`,
+        `agentrl.rollout.scripted`). Envs without one leave this as it is."""
+        raise NotImplementedError(f"{type(self).__name__} has no scripted policy")
 
 
 def shows_images(chat_env: ChatEnv) -> bool:

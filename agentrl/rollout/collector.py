@@ -336,23 +336,37 @@ def _observe(
 ) -> tuple[list[int], list[np.ndarray]]:
     """Append an observation; its images are placed where their tokens sit (the model's
     processor tells which tokens are whose)."""
-    tokens = [int(t) for t in np.asarray(obs["tokens"]).reshape(-1)]
-    new_images = [np.asarray(im, dtype=np.uint8) for im in obs.get("images", ())]
-    placed = []
-    if new_images:
-        from agentrl.models.vision import ImageError, vision_processor
-
-        vision = getattr(engine, "vision", None) or vision_processor(
-            getattr(engine, "tokenizer", None))
-        if vision is None:
-            raise ImageError("the environment sent images but the policy is a text-only model")
-        offset = len(context)
-        placed = [
-            Image(pixels=im, start=offset + a, end=offset + b)
-            for im, (a, b) in zip(new_images, vision.spans(tokens, new_images), strict=True)
-        ]
+    tokens, new_images, placed = placed_images(
+        obs, len(context), lambda: getattr(engine, "vision", None) or _vision(engine))
     builder.add_observation(tokens, placed)
     return context + tokens, images + new_images
+
+
+def _vision(engine: Engine) -> Any:
+    from agentrl.models.vision import vision_processor
+
+    return vision_processor(getattr(engine, "tokenizer", None))
+
+
+def placed_images(
+    obs: dict[str, Any], offset: int, vision_of: Callable[[], Any]
+) -> tuple[list[int], list[np.ndarray], list[Image]]:
+    """An observation's tokens, its images, and the images placed at their tokens' positions
+    in a trajectory where the observation starts at `offset`; `vision_of()` gives the model's
+    image processor (None for a text-only model, an error if the observation has images)."""
+    tokens = [int(t) for t in np.asarray(obs["tokens"]).reshape(-1)]
+    new_images = [np.asarray(im, dtype=np.uint8) for im in obs.get("images", ())]
+    if not new_images:
+        return tokens, [], []
+    from agentrl.models.vision import ImageError
+
+    vision = vision_of()
+    if vision is None:
+        raise ImageError("the environment sent images but the policy is a text-only model")
+    return tokens, new_images, [
+        Image(pixels=im, start=offset + a, end=offset + b)
+        for im, (a, b) in zip(new_images, vision.spans(tokens, new_images), strict=True)
+    ]
 
 
 def _turn_seed(seed: int | None, ep: _Episode, turn: int) -> int | None:
