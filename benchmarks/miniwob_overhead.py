@@ -12,7 +12,8 @@ task, episodes interleaved (raw, agentrl, raw, ...) so machine noise hits both a
 - agentrl: `gym.make("agentrl/MiniWoB-v0", tokenizer=<embedded>, task=<task>,
   observation=<dom|both>)`, the token-level env a rollout steps (the page listing, and the
   screenshot with `both`, rendered by the chat template; a VLM's tokenizer with `both`), the
-  same actions written in its grammar (`click(ref)`, `type(ref, "text")`) and tokenized.
+  same actions written in its grammar (`click(ref)`, `type(ref, "text")`) by the env's own
+  scripted policy (`oracle_action`, from the listing it showed) and tokenized.
 
 Timed: each `env.step` call (the policy's choice and tokenizing its answer are not); resets
 apart. The ratio is agentrl's mean step time over raw's. Then the pool: browsers started one
@@ -66,27 +67,6 @@ def raw_plan(task: str, utterance: str, elements: list[dict[str, Any]],
     return "CLICK_ELEMENT", ref(lambda e: e["tag"] == "button"), ""  # click-dialog's close
 
 
-def agentrl_plan(task: str, listing: str, turn: int) -> str:
-    """The same policy, written in MiniWoB-v0's grammar from its page listing."""
-    utterance = listing.rsplit("Task: ", 1)[1].splitlines()[0]
-
-    def ref(pattern: str) -> int:
-        m = re.search(rf"^\[(-?\d+)\] {pattern}", listing, flags=re.MULTILINE)
-        if m is None:
-            raise ValueError(f"no {pattern!r} in {listing!r}")
-        return int(m.group(1))
-
-    if task == "enter-text":
-        if turn == 0:
-            return f'type({ref("input_text")}, "{_word(utterance)}")'
-        return f"click({ref('button')})"
-    if task == "click-button":
-        return f"click({ref('button ' + re.escape(chr(34) + _word(utterance) + chr(34)))})"
-    if task == "focus-text":
-        return f"click({ref('input_text')})"
-    return f"click({ref('button')})"
-
-
 class Timer:
     def __init__(self) -> None:
         self.step_s: list[float] = []
@@ -116,9 +96,8 @@ def raw_episode(env: gym.Env, task: str, seed: int, timer: Timer, screenshots: b
 def agentrl_episode(env: gym.Env, task: str, seed: int, timer: Timer, tok: Any) -> None:
     chat = env.unwrapped.chat_env  # type: ignore[attr-defined]
     timer.time(timer.reset_s, env.reset, seed=seed)
-    for turn in range(4):
-        listing, _ = chat._look(chat._episode, with_image=False)  # what it showed (untimed)
-        answer = agentrl_plan(task, listing, turn)
+    for _ in range(4):
+        answer = chat.oracle_action()  # the env's scripted policy (environments/miniwob/oracle.py)
         ids = tok.encode(answer, add_special_tokens=False) + [tok.eos_token_id]
         _, _, terminated, truncated, info = timer.time(timer.step_s, env.step, ids)
         if terminated or truncated:

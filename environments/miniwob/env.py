@@ -63,6 +63,7 @@ from agentrl.envs.template import Message
 from environments.miniwob import actions as act
 from environments.miniwob.browser import ActionError, Browser, BrowserError, find_browser
 from environments.miniwob.dom import Box, render_page
+from environments.miniwob.oracle import oracle_action
 from environments.miniwob.page import HEIGHT, WIDTH, Look, TaskPage, Verdict
 from environments.miniwob.pool import browser_pool
 from environments.miniwob.tasks import resolve_tasks, task_names
@@ -115,6 +116,8 @@ class _Episode:
     options: dict[int, list[str]] = field(default_factory=dict)
     """The options of each select of the latest listing, by ref."""
     pointer: tuple[int, int] = (WIDTH // 2, HEIGHT // 2)
+    listing: tuple[str, list[str]] | None = None
+    """The task's words and the page's lines as last shown (`dom` and `both` modes)."""
     over: bool = False
 
 
@@ -213,6 +216,17 @@ class MiniWoBEnv(ChatEnv):
             ep.over = True
             return [], 0.0, False, True, {**self._info(ep), "discard": True, "error": str(e),
                                           "browser_failure": e.kind}
+
+    def oracle_action(self) -> str:
+        """The scripted answer to the page as last shown (`oracle.py`: the click-basics and
+        warm-up suites' tasks, from the page listing, so `dom` or `both` mode)."""
+        ep = self._episode
+        if ep is None or ep.over:
+            raise RuntimeError("oracle_action() needs an episode in progress; call reset()")
+        if ep.listing is None:
+            raise ValueError("the scripted policy reads the page listing: use observation='dom' "
+                             "or 'both'")
+        return oracle_action(ep.task, *ep.listing)
 
     def close(self) -> None:
         """Give the browser back to the pool (it is closed there at exit, or here if it
@@ -371,6 +385,7 @@ class MiniWoBEnv(ChatEnv):
         if look.seen is not None:
             root, notes = look.seen
             lines, ep.boxes = render_page(root, WIDTH, HEIGHT, notes)
+            ep.listing = (look.utterance, lines)
             ep.options = {ref: list(opts) for ref, opts in notes.options.items()}
             text += "\nPage:\n" + ("\n".join(lines) or "(no text or field on the screen)")
         return text, look.image

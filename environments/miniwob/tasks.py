@@ -16,6 +16,10 @@ SUITES: dict[str, tuple[str, ...]] = {
     # One to three actions each, solvable from the page text (#33's learning headline).
     "click-basics": ("click-button", "click-link", "click-dialog", "click-tab", "focus-text",
                      "enter-text"),
+    # Other tasks of the same skills (find the element a task names, click it, type into
+    # fields, submit), which the scripted policy plays (`oracle.py`): a supervised warm-up
+    # before RL on click-basics that shows none of click-basics' pages.
+    "warm-up": ("click-test-2", "click-widget", "focus-text-2", "enter-password", "login-user"),
 }
 """Named suites: `task="click-basics"` samples one of its tasks per episode."""
 

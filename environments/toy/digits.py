@@ -1,7 +1,8 @@
 """A task a tiny random model can learn in a few dozen RL steps: answer in digits only.
 
 Reward per turn = fraction of the answer's characters that are digits. With `turns > 1` the
-user asks again after each answer (per-step rewards, for multi-turn learning tests).
+user asks again after each answer (per-step rewards, for multi-turn learning tests). Its
+scripted policy (`oracle_action`) counts on in digits, for warm-up tests.
 """
 
 from __future__ import annotations
@@ -19,14 +20,19 @@ class DigitsEnv(ChatEnv):
     def __init__(self, turns: int = 1) -> None:
         if turns < 1:
             raise ValueError(f"turns must be >= 1, got {turns}")
-        self.turns, self.turn = turns, 0
+        self.turns, self.turn, self.start = turns, 0, 0
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> list[Message]:
         self.turn = 0
-        n = int(self.np_random.integers(1, 100))
+        self.start = n = int(self.np_random.integers(1, 100))
         return [{"role": "user", "content": f"Count from {n}. Use digits only."}]
+
+    def oracle_action(self) -> str:
+        """The scripted answer (digits only: reward 1): the next three numbers of the count."""
+        n = self.start + 3 * self.turn
+        return " ".join(str(k) for k in range(n, n + 3)).replace(" ", "")
 
     def step(self, assistant_text: str) -> StepResult:
         self.turn += 1

@@ -202,6 +202,24 @@ def _quoted(task_line: str) -> str:
     return re.search(r'"([^"]+)"', task_line).group(1)
 
 
+def test_the_scripted_policy_reads_the_listing():
+    from environments.miniwob.oracle import oracle_action, parse_listing
+
+    lines = ['[4] button "Ok"', '[5] div "ultricies"', '[7] input_text value="" (focused)',
+             '[8] input_password value="a \\"b\\""', '[9] button "submit"', "not a line"]
+    assert [(e.ref, e.tag, e.text, e.value) for e in parse_listing(lines)] == [
+        (4, "button", "Ok", None), (5, "div", "ultricies", None), (7, "input_text", "", ""),
+        (8, "input_password", "", 'a "b"'), (9, "button", "submit", None)]
+    assert oracle_action("click-button", 'Click on the "submit" button.', lines) == "click(9)"
+    # A form: the first field whose value is not yet right, then the button.
+    login = 'Enter the username "x" and the password "pw" into the text fields and press login.'
+    assert oracle_action("login-user", login, lines + ['[10] button "Login"']) == 'type(7, "x")'
+    filled = ['[7] input_text value="x"', '[8] input_password value="pw"', '[10] button "Login"']
+    assert oracle_action("login-user", login, filled) == "click(10)"
+    with pytest.raises(KeyError, match="no scripted policy for MiniWoB.. task 'book-flight'"):
+        oracle_action("book-flight", "Book the shortest one-way flight.", lines)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_browser_left():
     """Browsers given back to the pool are closed when the module ends (later tests count
@@ -245,6 +263,32 @@ def test_a_scripted_click_solves_click_button(dom_env, seed):
     assert (new, terminated, truncated) == ([], True, False)
     assert reward == pytest.approx(0.9)  # MiniWoB's 1, scaled by the time left: 1 - 1 s / 10 s
     assert info["correct"] and info["raw_reward"] == 1.0 and info["turns"] == 1
+
+
+@browser
+def test_the_scripted_policy_solves_both_suites_on_held_out_pages(tiny_tokenizer):
+    """Every task of click-basics and of the warm-up suite, two held-out pages each, played by
+    `oracle_action` through the token bridge (`play_scripted`); screenshot mode, which has no
+    listing to read, is refused."""
+    from agentrl.rollout.scripted import play_scripted
+    from environments.miniwob.env import MiniWoBEnv
+    from environments.miniwob.tasks import SUITES
+
+    tasks = SUITES["click-basics"] + SUITES["warm-up"]
+    out = play_scripted(
+        lambda: gym.make(ENV_ID, tokenizer=tiny_tokenizer, task="click-basics,warm-up",
+                         split="eval"),
+        range(2 * len(tasks)), max_turns=4, options=lambda i: {"task": tasks[i % len(tasks)]})
+    assert out.discarded == 0
+    assert sorted((t.info["task"], t.info["correct"]) for t in out.trajectories) == sorted(
+        (task, True) for task in tasks * 2)
+    env = MiniWoBEnv(task="click-button", observation="screenshot")
+    try:
+        env.reset(seed=0)
+        with pytest.raises(ValueError, match="reads the page listing"):
+            env.oracle_action()
+    finally:
+        env.close()
 
 
 def test_the_example_exchange_is_an_action_on_its_own_page():
@@ -735,6 +779,13 @@ def test_train_reports_each_task_before_and_after(tmp_path):
         "held-out pass@1 per task (95% Wilson intervals over each task's problems):",
         "  click-button  before 0.500 [0.095, 0.905], after 1.000 [0.342, 1.000] on 2 problems",
         "  enter-text    before 0.000 [0.000, 0.658], after 0.500 [0.095, 0.905] on 2 problems"]
+    # After a warm-up (--warmup.*), its eval between the two.
+    save_jsonl([traj(0, "click-button", True), traj(1, "enter-text", False),
+                traj(2, "click-button", True), traj(3, "enter-text", False)],
+               tmp_path / "eval_warmup.jsonl")
+    assert task_report(summary).splitlines()[1] == (
+        "  click-button  before 0.500 [0.095, 0.905], after the warm-up 1.000 [0.342, 1.000], "
+        "after 1.000 [0.342, 1.000] on 2 problems")
     # One task (or an env that names none): nothing to add to the overall line.
     save_jsonl([traj(0, "click-button", True)], tmp_path / "eval_after.jsonl")
     assert task_report(summary) == ""
