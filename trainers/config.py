@@ -380,6 +380,36 @@ class RewardConfig:
                              "--reward.max_batch >= 1")
 
 
+@dataclass(frozen=True, kw_only=True)
+class WarmupConfig:
+    """A supervised warm-up before RL (behaviour cloning): episodes played by the env's own
+    scripted policy (`ChatEnv.oracle_action`, `agentrl.rollout.scripted`), imitated with
+    cross-entropy on their action tokens by the policy's optimizer (--actor.lr), then RL
+    starts from the warmed-up weights. Off by default (episodes 0)."""
+
+    episodes: int = 0
+    """Scripted episodes to play (0: no warm-up). Their seeds are their own (derived from
+    --seed), not the training prompts'."""
+    epochs: int = 1
+    """Passes over those episodes."""
+    batch_size: int = 8
+    """Episodes per optimizer step (split into --micro_batch_size micro-batches)."""
+    env_kwargs: dict[str, object] = field(default_factory=dict)
+    """Env arguments for the scripted episodes, over the training env's (e.g. other tasks
+    than the training ones: MiniWoB's `{"task": "warm-up"}`)."""
+    evaluate: bool = True
+    """With --eval_problems: evaluate after the warm-up too (`eval_warmup`), so the run shows
+    what the warm-up did and what RL added."""
+
+    def __post_init__(self) -> None:
+        if validation_deferred():
+            return
+        if self.episodes < 0 or self.epochs < 1 or self.batch_size < 1:
+            raise ValueError(f"--warmup.episodes must be >= 0 (0: no warm-up), --warmup.epochs "
+                             f"and --warmup.batch_size >= 1; got {self.episodes}, "
+                             f"{self.epochs}, {self.batch_size}")
+
+
 SINGLE_TURN_ENVS = ("single-turn", "agentrl/SingleTurn-v0")
 
 
@@ -431,6 +461,7 @@ class TrainConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     steps: int = 10
     """Training steps (one rollout batch each)."""
@@ -570,6 +601,24 @@ class TrainConfig:
                                "--num_policy_workers")
         self._check_agent()
         self._check_dataset()
+        self._check_warmup()
+
+    def _check_warmup(self) -> None:
+        w = self.warmup
+        if not w.episodes:
+            return
+        if self.agent_run or self.replay or self.env in SINGLE_TURN_ENVS:
+            raise ValueError("--warmup.episodes plays the env's scripted policy: it needs an "
+                             "env run (--env), not --agent, --replay or --dataset")
+        if self.algo.kl_coef > 0:
+            raise ValueError("--warmup.episodes with --algo.kl_coef > 0: the KL reference would "
+                             "be the model before the warm-up, pulling RL back from it; use "
+                             "--algo.kl_coef 0, or warm up first (a run with --steps 0) and "
+                             "train from its RUN_DIR/hf")
+        if w.batch_size < self.num_policy_workers:
+            raise ValueError(f"--warmup.batch_size {w.batch_size} must be >= "
+                             f"--num_policy_workers {self.num_policy_workers} (each rank takes "
+                             f"its share of a batch)")
 
     @property
     def agent_run(self) -> bool:

@@ -152,8 +152,15 @@ class Trainer:
         )
         summary: dict[str, Any] = {"run_dir": str(self.run_dir)}
         try:
+            # The scripted episodes are played first: an env without a scripted policy is
+            # refused before any eval or update.
+            played = self._play_warmup() if cfg.warmup.episodes and self.step == 0 else None
             if cfg.eval_problems and self.step == 0:
                 summary["eval_before"] = self._evaluate(log, "eval_before")
+            if played is not None:
+                summary["warmup"] = self._warm_up(log, *played)
+                if cfg.eval_problems and cfg.warmup.evaluate:
+                    summary["eval_warmup"] = self._evaluate(log, "eval_warmup")
             evaluated = self.step
             while self.step < cfg.steps:
                 self._stop_if_asked()
@@ -325,6 +332,36 @@ class Trainer:
                 self._check_filtered(len(batch))
         discard_placeholders(batch, self._image_token)
         return summarize(batch), time.perf_counter() - t0
+
+    def _play_warmup(self) -> tuple[Any, float]:
+        """The warm-up's scripted episodes, saved to run_dir/warmup.jsonl, and the seconds
+        they took."""
+        from agentrl.models import load_tokenizer
+        from trainers.episodes import warmup_episodes
+
+        t0 = time.perf_counter()
+        played = warmup_episodes(self.cfg, load_tokenizer(self.cfg.actor.model))
+        if not played.trajectories:
+            raise TrainingError(f"the warm-up's {played.discarded} scripted episodes were all "
+                                f"discarded by the env (first: {played.first_error})")
+        save_jsonl(played.trajectories, self.run_dir / "warmup.jsonl")
+        return played, time.perf_counter() - t0
+
+    def _warm_up(self, log: MetricsLogger, played: Any, t_play: float) -> dict[str, Any]:
+        """The supervised warm-up (`--warmup.*`): the policy imitates the scripted episodes;
+        the rollout worker gets the new weights."""
+        w = self.cfg.warmup
+        metrics: dict[str, Any] = self._policy.call("imitate", played.trajectories, w.epochs,
+                                                    w.batch_size)
+        self._sync_weights()
+        metrics.update(time_play=t_play, discarded=float(played.discarded))
+        log.log(0, {f"warmup/{k}": v for k, v in metrics.items()})
+        logger.warning("warm-up: imitated %d scripted episodes (%d epochs, %d optimizer steps): "
+                       "loss %.3f -> %.3f per action token; played in %.0f s, trained in %.0f s",
+                       len(played.trajectories), w.epochs, metrics["optimizer_steps"],
+                       metrics["loss_first_epoch"], metrics["loss_last_epoch"], t_play,
+                       metrics["time_warmup"])
+        return metrics
 
     def _check_filtered(self, kept: int) -> None:
         if kept == 0 and self.cfg.algo.dynamic_filter != "none":

@@ -59,12 +59,14 @@ def eval_report(summary: dict[str, Any]) -> str:
     setting = dict(change["setting"])
     what = ", ".join(f"{k} {v}" for k, v in setting.items()
                      if k not in ("env", "problems", "samples_per_problem", "temperature"))
+    warm = summary.get("eval_warmup")
+    warmed = (f"after the warm-up {warm['pass@1']:.3f} {_bounds(warm)}, " if warm else "")
     return (
         f"held-out pass@1 on {setting['env']} ({what + '; ' if what else ''}"
         f"{after['num_problems']} problems x "
         f"{setting['samples_per_problem']} samples = {after['num_samples']}, T="
-        f"{setting['temperature']}): before {before['pass@1']:.3f} {_bounds(before)}, after "
-        f"{after['pass@1']:.3f} {_bounds(after)}, change {change['pass@1']:+.3f} +- "
+        f"{setting['temperature']}): before {before['pass@1']:.3f} {_bounds(before)}, {warmed}"
+        f"after {after['pass@1']:.3f} {_bounds(after)}, change {change['pass@1']:+.3f} +- "
         f"{change['ci95']:.3f} (95% intervals: Wilson's for pass@1, paired for the change)"
     )
 
@@ -76,18 +78,25 @@ def task_report(summary: dict[str, Any]) -> str:
     from agentrl.rollout.evaluate import score_by_task
     from agentrl.trajectory_files import load_jsonl
 
-    paths = [Path(summary["run_dir"]) / f"{name}.jsonl" for name in ("eval_before", "eval_after")]
+    run = Path(summary["run_dir"])
+    paths = [run / f"{name}.jsonl" for name in ("eval_before", "eval_after")]
     if not all(p.exists() for p in paths):
         return ""
     k = int(summary["eval_change"]["setting"]["samples_per_problem"])
     before, after = (score_by_task(load_jsonl(p), k) for p in paths)
+    warm_path = run / "eval_warmup.jsonl"
+    warm = score_by_task(load_jsonl(warm_path), k) if warm_path.exists() else {}
     tasks = [t for t in after if t in before]
     if len(tasks) < 2:
         return ""
     width = max(len(t) for t in tasks)
-    lines = [f"  {t:<{width}}  before {before[t].pass_at_1:.3f} "
-             f"{format_interval(before[t].pass_at_1_interval)}, after {after[t].pass_at_1:.3f} "
-             f"{format_interval(after[t].pass_at_1_interval)} on {after[t].num_problems} problems"
+
+    def rate(name: str, r: Any) -> str:
+        return f"{name} {r.pass_at_1:.3f} {format_interval(r.pass_at_1_interval)}, "
+
+    lines = [f"  {t:<{width}}  {rate('before', before[t])}"
+             f"{rate('after the warm-up', warm[t]) if t in warm else ''}"
+             f"{rate('after', after[t])[:-2]} on {after[t].num_problems} problems"
              for t in tasks]
     head = "held-out pass@1 per task (95% Wilson intervals over each task's problems):"
     return "\n".join([head, *lines])

@@ -40,6 +40,22 @@ def env_factory(cfg: TrainConfig, tokenizer: Any, *, eval_split: bool = False) -
     return lambda: gym.make(env_id, tokenizer=tokenizer, **kwargs)
 
 
+def warmup_episodes(cfg: TrainConfig, tokenizer: Any) -> Any:
+    """The warm-up's scripted episodes (`agentrl.rollout.scripted.Scripted`): the training
+    env with --warmup.env_kwargs over its own, seeded from --seed apart from the prompts."""
+    import gymnasium as gym
+
+    from agentrl.envs import resolve_env_id
+    from agentrl.rollout.scripted import play_scripted
+
+    env_id = resolve_env_id(cfg.env)
+    kwargs = {**env_kwargs(cfg), **cfg.warmup.env_kwargs}
+    turns = kwargs.get("max_turns", cfg.rollout.max_turns)
+    seeds = [derive_seed(cfg.seed, "warmup", i) for i in range(cfg.warmup.episodes)]
+    return play_scripted(lambda: gym.make(env_id, tokenizer=tokenizer, **kwargs), seeds,
+                         max_turns=turns if isinstance(turns, int) else None)
+
+
 def eval_setting(cfg: TrainConfig) -> dict[str, Any]:
     """What the run's evals measure, for the record: the env and the arguments that choose its
     held-out problems (split, tasks, difficulty, ...), how many, and how they are sampled. An

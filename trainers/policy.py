@@ -66,7 +66,7 @@ class PolicyWorker:
         from agentrl.models.vision import vision_processor
 
         torch.manual_seed(cfg.seed)
-        self.cfg, self.rank = cfg, rank
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.device = resolve_device(cfg.actor.device)
         backend = resolve_backend_name(cfg.backend, self.device)
         dist = DistSpec(rank=rank, world_size=world_size, addr=dist_addr or "",
@@ -233,6 +233,62 @@ class PolicyWorker:
         self.version += 1
         self._sync_engine()
         return metrics
+
+    def imitate(self, trajectories: list, epochs: int, batch_size: int) -> dict[str, float]:
+        """The supervised warm-up (`--warmup.*`): `epochs` passes over the trajectories (every
+        rank gets them all, in the same order) in batches of `batch_size`, one optimizer step
+        a batch on the cross-entropy of its action tokens (the loss over the batch's tokens on
+        all ranks; this rank computes its share of each batch). The engine samples from the
+        new weights afterwards; the weight version stays (the warm-up is no RL step).
+        Returns the first and last epochs' mean loss per token, the steps and the time."""
+        from agentrl.algorithms.preference import sft_loss
+
+        t0 = time.perf_counter()
+        if self.engine is not None:
+            held = int(getattr(self.engine, "kv_bytes", 0))
+            self.engine.sleep()
+            self.policy.release_host_memory(held)
+        # One group: with packing, a micro-batch encodes the episodes' common prefix (an env's
+        # instructions and examples) once (`trainers.batch.pack`).
+        batch = collate(trajectories, self.pad_id, [0] * len(trajectories))
+        add_images(batch, trajectories, self.vision, self.model)
+        batch = batch.to(self.device)
+        rng = random.Random(derive_seed(self.cfg.seed, "warmup"))
+        losses: list[float] = []
+        steps = 0
+        for _ in range(epochs):
+            order = list(range(batch.size))
+            rng.shuffle(order)
+            total = tokens = 0.0
+            for start in range(0, len(order), batch_size):
+                if len(order[start : start + batch_size]) < self.world_size:
+                    break  # a last batch too small for every rank to have a share
+                mine = order[start : start + batch_size][self.rank :: self.world_size]
+                sel = torch.as_tensor(mine, device=self.device, dtype=torch.long)
+                num_tokens = all_sum([float(batch.mask[sel].sum())])[0]
+
+                def loss_fn(module: nn.Module, rows: Rows, num_tokens: float = num_tokens
+                            ) -> tuple[Tensor, dict[str, float]]:
+                    logp, _ = self._logprobs(self.policy, module, batch, rows)
+                    idx, n = rows
+                    loss = sft_loss(logp, batch.mask[idx, : n - 1], num_tokens)
+                    return loss, {"loss": float(loss.detach())}
+
+                step_loss = 0.0
+                for rows in batch.micro_batches(self._order(batch, mine),
+                                                self.cfg.micro_batch_size):
+                    step_loss += self.policy.forward_backward(rows, loss_fn)["loss"]
+                self.policy.optimizer_step()
+                step_loss = all_sum([step_loss])[0]
+                total += step_loss * num_tokens
+                tokens += num_tokens
+                steps += 1
+            losses.append(total / max(tokens, 1.0))
+        self._sync_engine()
+        return {"loss_first_epoch": losses[0], "loss_last_epoch": losses[-1],
+                "optimizer_steps": float(steps), "episodes": float(batch.size),
+                "action_tokens": float(batch.mask.sum()),
+                "time_warmup": time.perf_counter() - t0}
 
     def trained(self) -> list[Trained]:
         """What the last `train` computed for each of its trajectories, in order: the trainer's

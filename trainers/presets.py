@@ -13,7 +13,7 @@ from collections.abc import Callable
 from agentrl.models.embedded import EMBEDDED_NAME
 from agentrl.models.named import canonical_model_name
 from environments.kv_lookup import task_file
-from trainers.config import ActorConfig, AlgoConfig, RolloutConfig, TrainConfig
+from trainers.config import ActorConfig, AlgoConfig, RolloutConfig, TrainConfig, WarmupConfig
 
 MATH_TIR_LRS = {EMBEDDED_NAME: 2e-5}
 """math-tir's learning rate per model (benchmarks/results/math_tir_medium.md: at 20 steps on an
@@ -154,6 +154,10 @@ def miniwob() -> TrainConfig:
             n_samples_per_prompt=6, prompts_per_step=4, max_new_tokens=12, max_turns=2,
             max_episode_tokens=2048, max_concurrency=16,
         ),
+        # A supervised warm-up on other MiniWoB++ tasks (the scripted policy's episodes on
+        # the warm-up suite: none of click-basics' tasks), evaluated before RL starts.
+        warmup=WarmupConfig(episodes=40, epochs=2, env_kwargs={"task": "warm-up",
+                                                               "max_turns": 3}),
         steps=14,
         micro_batch_size=8,
         eval_problems=48,
