@@ -33,10 +33,10 @@ def plot_run(run_dir: str | Path, keys: tuple[str, ...] = DEFAULT_KEYS) -> list[
     out_dir.mkdir(exist_ok=True)
     written = []
     for key in keys:
-        # A held-out metric's curve runs from the eval before training through the periodic
-        # ones (--eval_every) to the eval after it.
-        names = (f"eval_before/{key[5:]}", key, f"eval_after/{key[5:]}") \
-            if key.startswith("eval/") else (key,)
+        # A held-out metric's curve runs from the eval before training (and the one after a
+        # warm-up, at step 0 too) through the periodic ones (--eval_every) to the eval after it.
+        names = (f"eval_before/{key[5:]}", f"eval_warmup/{key[5:]}", key,
+                 f"eval_after/{key[5:]}") if key.startswith("eval/") else (key,)
         pts = [(r["step"], r[name]) for r in rows for name in names
                if isinstance(r.get(name), int | float)]
         if not pts:

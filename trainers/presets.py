@@ -156,7 +156,7 @@ def miniwob() -> TrainConfig:
         ),
         # A supervised warm-up on other MiniWoB++ tasks (the scripted policy's episodes on
         # the warm-up suite: none of click-basics' tasks), evaluated before RL starts.
-        warmup=WarmupConfig(episodes=40, epochs=2, env_kwargs={"task": "warm-up",
+        warmup=WarmupConfig(episodes=56, epochs=2, env_kwargs={"task": "warm-up",
                                                                "max_turns": 3}),
         steps=14,
         micro_batch_size=8,

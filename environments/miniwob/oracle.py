@@ -104,6 +104,13 @@ def _click_button_text(task: str, page: list[Element]) -> str:
     return f"click({_first(page, lambda e: e.tag == 'button' and e.text == word, word).ref})"
 
 
+def _click_dialog_button(task: str, page: list[Element]) -> str:
+    """click-dialog-2: the dialog's button labeled as the task says ("x" is its Close)."""
+    word = _QUOTED.findall(task)[0]
+    name = "Close" if word == "x" else word
+    return f"click({_first(page, lambda e: e.tag == 'button' and e.text == name, name).ref})"
+
+
 _WIDGETS = {"button": ("button",), "text": ("input_text",), "textarea": ("textarea",),
             "checkbox": ("input_checkbox",), "radio": ("input_radio",)}
 
@@ -135,6 +142,8 @@ PLANS: dict[str, Callable[[str, list[Element]], str]] = {
     "click-test-2": _click_button_text,
     "click-widget": _click_widget,
     "focus-text-2": _focus_nth,
+    "click-dialog-2": _click_dialog_button,
+    "click-tab-2-easy": _named("span"),
     "enter-password": lambda task, page: _fill(page, [_QUOTED.findall(task)[0]] * 2, "Submit"),
     "login-user": lambda task, page: _fill(page, _QUOTED.findall(task)[:2], "Login"),
 }

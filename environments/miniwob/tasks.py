@@ -19,7 +19,8 @@ SUITES: dict[str, tuple[str, ...]] = {
     # Other tasks of the same skills (find the element a task names, click it, type into
     # fields, submit), which the scripted policy plays (`oracle.py`): a supervised warm-up
     # before RL on click-basics that shows none of click-basics' pages.
-    "warm-up": ("click-test-2", "click-widget", "focus-text-2", "enter-password", "login-user"),
+    "warm-up": ("click-test-2", "click-widget", "click-dialog-2", "click-tab-2-easy",
+                "focus-text-2", "enter-password", "login-user"),
 }
 """Named suites: `task="click-basics"` samples one of its tasks per episode."""
 

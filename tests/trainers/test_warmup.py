@@ -49,6 +49,9 @@ def test_the_policy_imitates_the_scripted_episodes_then_trains(make_cfg, tiny_to
     logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert any("warmup/loss_last_epoch" in row for row in logged)
     assert any("eval_warmup/pass@1" in row for row in logged)
+    from trainers.plot import plot_run  # the eval curve: before, after the warm-up, after
+
+    assert "eval_mean_return.png" in {p.name for p in plot_run(run, ("eval/mean_return",))}
 
 
 def test_the_warmup_env_kwargs_override_the_training_envs(make_cfg):
