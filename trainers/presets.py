@@ -128,15 +128,16 @@ def kv_agent() -> TrainConfig:
 
 
 def miniwob() -> TrainConfig:
-    """The web-agent headline (#33 item 3): GRPO on six MiniWoB++ tasks of one to three actions
-    (the click-basics suite: click-button, click-link, click-dialog, click-tab, focus-text,
+    """The web-agent headline (#33 item 3): six MiniWoB++ tasks of one to three actions (the
+    click-basics suite: click-button, click-link, click-dialog, click-tab, focus-text,
     enter-text) in a real headless Chromium, with the embedded SmolLM2-135M reading the page as
-    text (`dom` mode, one example exchange in the prompt). Evaluated before and after on 48
-    held-out pages (8 per task, new seeds, T=1), with per-task lines. Measured alone on a 2-core
-    AVX2 EPYC: held-out success 0.104 -> 0.458 in 10 min 47 s (14 steps of 14-73 s); #33's goal,
-    >= 0.6, is not met: the policy settles on one ref per task (focus-text and click-dialog
-    mostly solved, click-button, click-tab and enter-text not), and 28 steps did worse, 0.375
-    in 20 min 53 s (benchmarks/results/miniwob_headline.md)."""
+    text (`dom` mode, one example exchange in the prompt). A supervised warm-up first: 56
+    scripted episodes of the warm-up suite (seven other MiniWoB++ tasks; none of click-basics'
+    pages), imitated for 2 epochs; then 14 GRPO steps. Evaluated on 48 held-out pages (8 per
+    task, new seeds, T=1) before, after the warm-up and after RL, with per-task lines. Measured
+    alone on a 2-core AVX2 EPYC: held-out success 0.104 -> 0.396 (warm-up) -> 0.625 in 13 min
+    13 s, and with --seed 1 0.125 -> 0.542 -> 0.625 in 13 min 34 s; click-button, click-link and
+    click-tab stay low (benchmarks/results/miniwob_headline.md)."""
     return TrainConfig(
         env="miniwob",
         # A page load may wait its turn on 2 cores while 16 browsers start: 60 s, not 20.

@@ -155,7 +155,7 @@ def test_unknown_tasks_get_a_did_you_mean_and_the_list():
     assert resolve_tasks("enter-text, click-basics") == (
         "enter-text", "click-button", "click-link", "click-dialog", "click-tab", "focus-text")
     with pytest.raises(ValueError, match=r"^unknown MiniWoB\+\+ task 'click-buton'\. Did you "
-                       r"mean 'click-button'.*\? Suites: click-basics\. Tasks \(1\d\d\): "
+                       r"mean 'click-button'.*\? Suites: click-basics, warm-up\. Tasks \(1\d\d\): "
                        r"ascending-numbers, bisect-angle, "):
         resolve_tasks("click-buton")
     with pytest.raises(ValueError, match=r"^task 'flight\.AA': FlightWoB tasks \(flight\.\*\) "
