@@ -175,10 +175,10 @@ def sections(cls: type, default: object | None = None, prefix: str = "--",
             flags.append(Flag((f.name.upper(),), type_text, "required", field_doc, True))
             continue
         value = getattr(default, f.name) if default is not None else None
-        if isinstance(value, dict) and value:  # tyro gives each key of a default dict a flag
+        if isinstance(value, dict):  # tyro gives each key of a default dict a flag
             flags += [Flag((f"{prefix}{f.name}.{key}",), type(item).__name__, repr(item),
                            field_doc) for key, item in value.items()]
-            continue
+            continue  # (an empty one none: it is set in a --config file or by a preset)
         names = (prefix + f.name, *_aliases(hints[f.name]))
         flags.append(Flag(names, type_text, _default(f, default), field_doc))
     yield Section(prefix, doc or inspect.cleandoc(cls.__doc__ or ""), tuple(flags))
