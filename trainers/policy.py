@@ -170,6 +170,18 @@ class PolicyWorker:
             return module(**inputs).float()
 
     # ------------------------------------------------------------------ the update
+    def _training_batch(self, trajectories: list, group_ids: Sequence[int] | None
+                        ) -> RolloutBatch:
+        """The trajectories as a batch on this worker's device, images included; colocated,
+        the engine is put to sleep first (its KV caches freed while training)."""
+        if self.engine is not None:
+            held = int(getattr(self.engine, "kv_bytes", 0))
+            self.engine.sleep()
+            self.policy.release_host_memory(held)
+        batch = collate(trajectories, self.pad_id, group_ids)
+        add_images(batch, trajectories, self.vision, self.model)
+        return batch.to(self.device)
+
     def train(
         self, trajectories: list, kl_coef: float, group_ids: Sequence[int] | None = None
     ) -> dict[str, float]:
@@ -183,13 +195,7 @@ class PolicyWorker:
         t0 = time.perf_counter()
         self.shared_tokens = 0
         self._trained = []
-        if self.engine is not None:
-            held = int(getattr(self.engine, "kv_bytes", 0))
-            self.engine.sleep()  # colocated: free the KV caches while training
-            self.policy.release_host_memory(held)
-        batch = collate(trajectories, self.pad_id, group_ids)
-        add_images(batch, trajectories, self.vision, self.model)
-        batch = batch.to(self.device)
+        batch = self._training_batch(trajectories, group_ids)
         if cfg.epochs_per_step * cfg.minibatches_per_step > 1 or algo.mismatch_correction != "none":
             self._fill(batch, "old_logp", self.policy)
         elif cfg.save_rollouts:  # one pass: its log-probs, before its optimizer step, are kept
@@ -244,15 +250,9 @@ class PolicyWorker:
         from agentrl.algorithms.preference import sft_loss
 
         t0 = time.perf_counter()
-        if self.engine is not None:
-            held = int(getattr(self.engine, "kv_bytes", 0))
-            self.engine.sleep()
-            self.policy.release_host_memory(held)
         # One group: with packing, a micro-batch encodes the episodes' common prefix (an env's
         # instructions and examples) once (`trainers.batch.pack`).
-        batch = collate(trajectories, self.pad_id, [0] * len(trajectories))
-        add_images(batch, trajectories, self.vision, self.model)
-        batch = batch.to(self.device)
+        batch = self._training_batch(trajectories, [0] * len(trajectories))
         rng = random.Random(derive_seed(self.cfg.seed, "warmup"))
         losses: list[float] = []
         steps = 0

@@ -49,17 +49,16 @@ class Scripted:
     first_error: str = ""
 
 
-def chat_env_of(env: gym.Env) -> ChatTokenEnv:
+def scripted_bridge(env: gym.Env) -> ChatTokenEnv:
     """The token bridge under `env`'s wrappers, if its chat env has a scripted policy; else
     `NoScriptedPolicyError` naming the env."""
     from agentrl.envs.chat import ChatEnv, ChatTokenEnv
 
     bridge = env.unwrapped
-    name = type(bridge).__name__
     if not isinstance(bridge, ChatTokenEnv):
         raise NoScriptedPolicyError(
-            f"{name} is not a chat env (agentrl.envs.ChatEnv served by ChatTokenEnv): only "
-            f"chat envs can offer a scripted policy (oracle_action)")
+            f"{type(bridge).__name__} is not a chat env (agentrl.envs.ChatEnv served by "
+            f"ChatTokenEnv): only chat envs can offer a scripted policy (oracle_action)")
     chat = bridge.chat_env
     if type(chat).oracle_action is ChatEnv.oracle_action:
         raise NoScriptedPolicyError(
@@ -76,7 +75,7 @@ def play_scripted(
     `options(i)`: the i-th episode's reset options."""
     env = env_fn()
     try:
-        bridge = chat_env_of(env)
+        bridge = scripted_bridge(env)
         out = Scripted([])
         for i, seed in enumerate(seeds):
             traj = _episode(env, bridge, seed, options(i), max_turns)
@@ -99,15 +98,14 @@ def _episode(env: gym.Env, bridge: ChatTokenEnv, seed: int, options: dict[str, A
 
     builder = TrajectoryBuilder()
     obs, info = env.reset(seed=seed, options=options)
-    length, turn = 0, 0
+    turn = 0
     terminated = truncated = False
     while True:
-        tokens, _, placed = placed_images(obs, length,
+        tokens, _, placed = placed_images(obs, len(builder.token_ids),
                                           lambda: vision_processor(bridge.tokenizer))
         builder.add_observation(tokens, placed)
         action = bridge.bridge.action_ids(bridge.chat_env.oracle_action())
         turn_record = builder.add_action(action, None)
-        length += len(tokens) + len(action)
         obs, reward, terminated, truncated, info = env.step(action)
         turn_record.reward = float(reward)
         turn += 1

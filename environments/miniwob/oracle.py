@@ -6,7 +6,7 @@ It answers in `actions.py`'s grammar from the task's words and the page listing 
 `[ref] tag "text"` lines), so it needs no access to the page that the policy lacks. It plays
 the `click-basics` suite and the `warm-up` suite (other tasks whose skills are the same:
 finding the element a task names, clicking, typing into fields, submitting), and is used to
-play scripted episodes (`scripted_episodes`, for a supervised warm-up before RL) and by
+play scripted episodes (`agentrl.rollout.scripted`, for a supervised warm-up before RL) and by
 benchmarks/miniwob_overhead.py. Tasks it cannot play raise `KeyError` naming those it can.
 
 The plan is a function of the current page, not of the turn: a form is filled field by field
@@ -16,12 +16,14 @@ episode that is replayed or resumed gets the same answers.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-_LINE = re.compile(r'^\[(-?\d+)\] (\S+)(?: "((?:[^"\\]|\\.)*)")?(.*)$')
-_VALUE = re.compile(r'value="((?:[^"\\]|\\.)*)"')
+_LINE = re.compile(r'^\[(-?\d+)\] (\S+)(?: ("(?:[^"\\]|\\.)*"))?(.*)$')
+_VALUE = re.compile(r'value=("(?:[^"\\]|\\.)*")')
+"""The listing's strings and the grammar's are JSON string literals (`dom.py`, `actions.py`)."""
 _QUOTED = re.compile(r'"([^"]*)"')
 _ORDINAL = re.compile(r"(\d+)(?:st|nd|rd|th)")
 
@@ -45,17 +47,13 @@ def parse_listing(lines: Sequence[str]) -> list[Element]:
         if m is None:
             continue
         value = _VALUE.search(m.group(4) or "")
-        out.append(Element(int(m.group(1)), m.group(2), _unescape(m.group(3) or ""),
-                           None if value is None else _unescape(value.group(1))))
+        out.append(Element(int(m.group(1)), m.group(2), json.loads(m.group(3) or '""'),
+                           None if value is None else json.loads(value.group(1))))
     return out
 
 
-def _unescape(s: str) -> str:
-    return s.replace('\\"', '"').replace("\\\\", "\\")
-
-
 def _quote(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return json.dumps(s, ensure_ascii=False)
 
 
 def _first(page: list[Element], pred: Callable[[Element], bool], what: str) -> Element:
@@ -79,12 +77,15 @@ def _fill(page: list[Element], values: Sequence[str], button: str | None) -> str
     return f"click({target.ref})"
 
 
+def _click_text(page: list[Element], tag: str | None, text: str) -> str:
+    """Click the first element (with this tag, if one is given) whose text is `text`."""
+    found = _first(page, lambda e: (tag is None or e.tag == tag) and e.text == text, repr(text))
+    return f"click({found.ref})"
+
+
 def _named(tag: str) -> Callable[[str, list[Element]], str]:
     """Click the element with this tag whose text is the task's first quoted word."""
-    def plan(task: str, page: list[Element]) -> str:
-        word = _QUOTED.findall(task)[0]
-        return f"click({_first(page, lambda e: e.tag == tag and e.text == word, repr(word)).ref})"
-    return plan
+    return lambda task, page: _click_text(page, tag, _QUOTED.findall(task)[0])
 
 
 def _click_tag(page: list[Element], tag: str) -> str:
@@ -94,21 +95,18 @@ def _click_tag(page: list[Element], tag: str) -> str:
 def _click_tab(task: str, page: list[Element]) -> str:
     number = re.search(r"Tab #(\d+)", task)
     assert number is not None, task
-    name = f"Tab #{number.group(1)}"
-    return f"click({_first(page, lambda e: e.text == name, name).ref})"
+    return _click_text(page, None, f"Tab #{number.group(1)}")
 
 
 def _click_button_text(task: str, page: list[Element]) -> str:
     """click-test-2: "Click button ONE." """
-    word = re.findall(r"button (\w+)", task)[0]
-    return f"click({_first(page, lambda e: e.tag == 'button' and e.text == word, word).ref})"
+    return _click_text(page, "button", re.findall(r"button (\w+)", task)[0])
 
 
 def _click_dialog_button(task: str, page: list[Element]) -> str:
     """click-dialog-2: the dialog's button labeled as the task says ("x" is its Close)."""
     word = _QUOTED.findall(task)[0]
-    name = "Close" if word == "x" else word
-    return f"click({_first(page, lambda e: e.tag == 'button' and e.text == name, name).ref})"
+    return _click_text(page, "button", "Close" if word == "x" else word)
 
 
 _WIDGETS = {"button": ("button",), "text": ("input_text",), "textarea": ("textarea",),

@@ -32,7 +32,7 @@ class DigitsEnv(ChatEnv):
     def oracle_action(self) -> str:
         """The scripted answer (digits only: reward 1): the next three numbers of the count."""
         n = self.start + 3 * self.turn
-        return " ".join(str(k) for k in range(n, n + 3)).replace(" ", "")
+        return "".join(str(k) for k in range(n, n + 3))
 
     def step(self, assistant_text: str) -> StepResult:
         self.turn += 1
