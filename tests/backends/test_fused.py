@@ -144,7 +144,8 @@ def test_the_cpu_backend_routes_them_only_where_measured_faster(
 ):
     from trainers.policy import PolicyWorker
 
-    on = calibrate.Choice(decode=False, train=measured_faster, logprobs=False, speedups={})
+    on = calibrate.Choice(decode=False, decode_wide=False, train=measured_faster, logprobs=False,
+                          speedups={})
     monkeypatch.setattr(calibrate, "choice", lambda: on)
     worker = PolicyWorker(make_cfg(algo={"estimator": "gae", "kl_coef": 0.01}), with_engine=False)
     assert worker.ref is not None and worker.critic is not None

@@ -129,7 +129,7 @@ def test_the_environment_variable_turns_it_off(monkeypatch):
     assert kernels.module() is None
 
 
-def _decode(model, prompts, steps, cpu_kernels, ids_per_step=None):
+def _decode(model, prompts, steps, cpu_kernels, ids_per_step=None, wide_kernels=False):
     """Decode from a prefilled cache; returns the logits of each step and the final KV."""
     kv, mask, logits = prefill_cache(model, prompts)
     cache = BatchCache([(k.clone(), v.clone()) for k, v in kv], mask.clone())
@@ -141,7 +141,8 @@ def _decode(model, prompts, steps, cpu_kernels, ids_per_step=None):
         for t in range(steps):
             new_mask = torch.cat([cache.mask, torch.ones_like(cache.mask[:, :1])], dim=1)
             step = decode_logits(
-                model, ids, pos, cache.cache, new_mask, cpu_kernels=cpu_kernels, counters=counters
+                model, ids, pos, cache.cache, new_mask, cpu_kernels=cpu_kernels,
+                wide_kernels=wide_kernels, counters=counters,
             )
             assert step is not None
             cache.mask = new_mask
@@ -205,10 +206,33 @@ def test_kernel_step_matches_at_extreme_activations_and_long_contexts(module, ti
         torch.testing.assert_close(va, vb, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("config", [{}, {"num_key_value_heads": 4}, {"attention_bias": True}])
+def test_wide_kernel_step_matches_the_torch_step(module, tiny_tokenizer, prompts, config):
+    """Past MAX_ROWS the layer runs with ATen's GEMMs and the kernel's attention; rows of
+    different lengths are padded, so the mask matters."""
+    model = llama_variant(tiny_tokenizer, hidden_size=256, intermediate_size=512, **config)
+    batch = [prompts[i % len(prompts)] * (1 + i % 3) for i in range(kernels.MAX_ROWS + 5)]
+    want, kv_want, used = _decode(model, batch, 4, cpu_kernels=True)
+    assert used == 0  # the few-rows family does not take a wide step
+    fed = [w.argmax(-1) for w in want]
+    got, kv_got, used = _decode(model, batch, 4, cpu_kernels=False, ids_per_step=fed,
+                                wide_kernels=True)
+    assert used == 4
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for (ka, va), (kb, vb) in zip(kv_got, kv_want, strict=True):
+        torch.testing.assert_close(ka, kb, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(va, vb, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(got[-1], want[-1])  # the kernel's own arithmetic ran
+
+
 def test_kernel_step_is_not_taken_where_it_does_not_apply(module, tiny_tokenizer, prompts):
     model = llama_variant(tiny_tokenizer)
     too_many = [prompts[i % len(prompts)] for i in range(kernels.MAX_ROWS + 1)]
     assert _decode(model, too_many, 2, cpu_kernels=True)[2] == 0
+    assert _decode(model, too_many[:-1], 2, cpu_kernels=False, wide_kernels=True)[2] == 0
+    assert _decode(model.to(torch.bfloat16), too_many, 2, cpu_kernels=True,
+                   wide_kernels=True)[2] == 0
     assert _decode(model.to(torch.bfloat16), [prompts[0]], 2, cpu_kernels=True)[2] == 0
     gelu = llama_variant(tiny_tokenizer, hidden_act="gelu")
     got, _, used = _decode(gelu, [prompts[0], prompts[1]], 3, cpu_kernels=True)

@@ -20,4 +20,6 @@ def engine_options() -> dict[str, Any]:
     from agentrl.backends.cpu import calibrate
     from agentrl.backends.cpu.decode import decode_logits
 
-    return {"decode_step": functools.partial(decode_logits, cpu_kernels=calibrate.choice().decode)}
+    chosen = calibrate.choice()
+    return {"decode_step": functools.partial(decode_logits, cpu_kernels=chosen.decode,
+                                             wide_kernels=chosen.decode_wide)}

@@ -20,7 +20,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ class Choice:
     """Which kernel families to use, and the speed-ups (torch time / kernel time) measured."""
 
     decode: bool
+    decode_wide: bool
     train: bool
     logprobs: bool
     speedups: dict[str, float]
@@ -71,15 +72,16 @@ def _choose(forced: str) -> Choice:
     mod = kernels.module()
     if mod is None or forced:
         on = mod is not None and forced == "1"
-        return Choice(decode=on, train=on, logprobs=on, speedups={})
+        return Choice(decode=on, decode_wide=on, train=on, logprobs=on, speedups={})
     path = _cache_path()
     key = kernels.source_key()
     stored = _read(path)
-    if key in stored:
-        return Choice(**stored[key])
+    if set(stored.get(key, {})) == {f.name for f in fields(Choice)}:
+        return Choice(**stored[key])  # else absent, or stored before a family was added
     speedups = measure(mod)
     got = Choice(
         decode=speedups["decode"] >= MARGIN,
+        decode_wide=speedups["decode_wide"] >= MARGIN,
         train=speedups["train"] >= MARGIN,
         logprobs=speedups["logprobs"] >= MARGIN,
         speedups=speedups,
@@ -88,7 +90,7 @@ def _choose(forced: str) -> Choice:
         "agentrl CPU kernels on %s (%s): torch/kernel time %s; using %s",
         kernels.cpu_model(), kernels.vector_flags(),
         {k: round(v, 2) for k, v in speedups.items()},
-        [k for k in ("decode", "train", "logprobs") if getattr(got, k)] or "none",
+        [k for k in ("decode", "decode_wide", "train", "logprobs") if getattr(got, k)] or "none",
     )
     stored[key] = asdict(got)
     _write(path, stored)
@@ -100,6 +102,7 @@ def measure(mod: object, rounds: int = 5) -> dict[str, float]:
     torch.manual_seed(0)
     return {
         "decode": _ratio(*_decode_pair(mod), rounds),
+        "decode_wide": _ratio(*_wide_decode_pair(), rounds),
         "train": _ratio(*_train_pair(mod), rounds),
         "logprobs": _ratio(*_logprob_pair(mod), rounds),
     }
@@ -118,6 +121,34 @@ def _decode_pair(mod: Any) -> tuple[Callable[[], object], Callable[[], object]]:
         return [mod.row_gemm(x, w) for w in weights]
 
     return with_torch, with_kernel
+
+
+def _wide_decode_pair() -> tuple[Callable[[], object], Callable[[], object]]:
+    """A decode step of 64 rows over 96 cached columns (padded: rows of 48-96) through two
+    layers of SmolLM2-135M's widths (a small vocabulary: the head is the same GEMM both ways),
+    the forward's arithmetic against the kernel layer with ATen's GEMMs."""
+    import functools
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from agentrl.backends.cpu.decode import decode_logits
+    from agentrl.engine.kv import BatchCache
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=_HIDDEN, intermediate_size=_INTER,
+                      num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3)
+    model = LlamaForCausalLM(cfg).eval()  # SDPA attention, transformers' default on a CPU
+    rows, cols = 64, 96
+    mask = (torch.arange(cols)[None, :] >= torch.randint(0, cols // 2, (rows, 1))).long()
+    kv = [(torch.randn(rows, 3, cols, 64), torch.randn(rows, 3, cols, 64)) for _ in range(2)]
+    ids, pos = torch.randint(0, 256, (rows,)), mask.sum(-1)
+    new_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+
+    def step(wide: bool) -> object:
+        cache = BatchCache(kv, mask)  # a fresh cache each call: every step appends one column
+        with torch.no_grad():
+            return decode_logits(model, ids, pos, cache.cache, new_mask, wide_kernels=wide)
+
+    return functools.partial(step, False), functools.partial(step, True)
 
 
 def _train_pair(mod: object) -> tuple[Callable[[], object], Callable[[], object]]:

@@ -100,17 +100,23 @@ def decode_logits(
     mask_B_T: torch.Tensor,
     *,
     cpu_kernels: bool = False,
+    wide_kernels: bool = False,
     counters: collections.Counter | None = None,
 ) -> torch.Tensor | None:
     """Next-token logits `[B, V]` after feeding `ids_B` at positions `pos_B`, or None when the
     model is not one this step reproduces exactly (call its forward instead).
 
     `cache` holds T - 1 columns per layer and gets the new keys/values appended; `mask_B_T`
-    (1 = real token) covers the cache columns and the new one. Without `cpu_kernels` the step
-    is bit-identical to the model's forward. With it, a float32 CPU step of at most
-    `kernels.MAX_ROWS` rows runs each layer in `agentrl.backends.cpu.kernels` (equal up to float32
-    round-off; see there); other steps are unchanged. `counters["kernel_decode_steps"]` counts
-    the steps that did.
+    (1 = real token) covers the cache columns and the new one. Without kernels the step is
+    bit-identical to the model's forward. A float32 CPU step may instead run each layer in
+    `agentrl.backends.cpu.kernels` (equal up to float32 round-off; see there):
+    - `cpu_kernels`, at most `kernels.MAX_ROWS` rows: the whole layer, projections through the
+      row GEMM;
+    - `wide_kernels`, more rows: the layer with ATen's GEMMs for the projections, and attention,
+      rotary embedding, norms and gating in the kernel. The forward's attention repeats each
+      KV head for its query heads (a copy of the whole cache per layer) and runs SDPA with a
+      padding mask; at 64 rows and ~100 columns that was as long as the step's GEMMs.
+    `counters["kernel_decode_steps"]` counts the steps that ran in the kernels.
     """
     plan = _plan(model)
     if plan is None:
@@ -121,9 +127,15 @@ def decode_logits(
     # 3-D input to this very matrix, so only the dispatch differs.
     x = F.embedding(ids_B, plan.embed)
     cos, sin = plan.rotary(x, pos_B[:, None])
-    if cpu_kernels and (mod := _kernel_module(plan, x, cache)) is not None:
-        # `_kernel_module` checked that every layer is a BufferLayer.
-        _kernel_layers(mod, plan, x, cast("list[BufferLayer]", cache.layers), mask_B_T, cos, sin)
+    few = rows <= kernels.MAX_ROWS
+    if (cpu_kernels if few else wide_kernels) and (
+        mod := _kernel_module(plan, x, cache)
+    ) is not None:
+        # `_kernel_module` checked that every layer is a BufferLayer. Past MAX_ROWS no weight
+        # is large enough for the row GEMM: ATen multiplies them all.
+        min_numel = kernels.MIN_WEIGHT_NUMEL if few else _NO_ROW_GEMM
+        _kernel_layers(mod, plan, x, cast("list[BufferLayer]", cache.layers), mask_B_T, cos,
+                       sin, min_numel)
         if counters is not None:
             counters["kernel_decode_steps"] += 1
         x = _rms_norm(x, plan.norm, plan.eps)
@@ -167,13 +179,16 @@ def decode_logits(
     return F.linear(x, plan.lm_head, plan.lm_head_bias)
 
 
+_NO_ROW_GEMM = (1 << 63) - 1
+"""`min_numel` for `decode_layer` that sends every projection to ATen's GEMM."""
+
+
 def _kernel_module(plan: _Plan, x: torch.Tensor, cache: Cache) -> Any:
-    """The compiled kernels where they take this step: float32 on CPU, at most
-    `kernels.MAX_ROWS` rows, SiLU MLPs, contiguous weights, agentrl's buffered cache."""
+    """The compiled kernels where they can take this step: float32 on CPU, SiLU MLPs,
+    contiguous weights, agentrl's buffered cache."""
     if (
         x.dtype is not torch.float32
         or x.device.type != "cpu"
-        or x.shape[0] > kernels.MAX_ROWS
         or plan.head_dim % 2
         or not all(isinstance(layer, BufferLayer) for layer in cache.layers)
     ):
@@ -194,8 +209,10 @@ def _kernel_layers(
     mask_B_T: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    min_numel: int,
 ) -> None:
-    """All decoder layers through `mod.decode_layer`, updating `x` [B, hidden] in place."""
+    """All decoder layers through `mod.decode_layer`, updating `x` [B, hidden] in place;
+    weights of more than `min_numel` elements go through the row GEMM."""
     rows = x.shape[0]
     live = mask_B_T.to(torch.bool).contiguous()
     cos = cos.reshape(rows, -1).contiguous()
@@ -208,7 +225,7 @@ def _kernel_layers(
             w.norm_post, w.eps_post,
             w.gate, w.gate_bias, w.up, w.up_bias, w.down, w.down_bias,
             layer.buf_k, layer.buf_v, layer.length, live, cos, sin,
-            plan.n_heads, plan.n_kv, w.scaling, kernels.MIN_WEIGHT_NUMEL,
+            plan.n_heads, plan.n_kv, w.scaling, min_numel,
         )  # fmt: skip
         layer.advance(1)
 

@@ -10,7 +10,9 @@ is ~45 small tensor operations whose Python and dispatch costs exceed their arit
 
 - `row_gemm`: reads each weight row once (prefetching ahead) and multiplies it into all rows;
 - `decode_layer`: a whole decoder layer in one call (norms, projections through `row_gemm`,
-  rotary embedding, the KV-cache write, attention, gating, residuals).
+  rotary embedding, the KV-cache write, attention, gating, residuals). Past `MAX_ROWS` rows
+  the same layer runs with ATen's GEMMs (the "wide" family): what it saves there is the
+  forward's attention, which copies the KV cache once per layer to repeat its heads.
 
 `csrc/cpu_train.cpp`, in the same module, has the trainer's fused RMSNorm, SiLU gating and
 token log-prob/entropy over the vocabulary (forward and backward); `fused.py` uses them.

@@ -172,8 +172,10 @@ torch::Tensor row_gemm(const torch::Tensor& x_in, const torch::Tensor& w) {
 // One decoder layer for one new token per row; `x` [B, hidden] is updated in place. The new
 // key/value go to column `length` of buf_k / buf_v [B, n_kv, capacity, D] (capacity > length);
 // attention covers columns 0..length where mask [B, length + 1] (bool) is true. cos/sin [B, D]
-// are the rotary embedding's values at each row's position. Meant for a few rows (the caller
-// keeps to kernels.MAX_ROWS), where the row kernel beats ATen's GEMM.
+// are the rotary embedding's values at each row's position. With a few rows (kernels.MAX_ROWS)
+// the large projections go through the row kernel, which beats ATen's GEMM there; with more,
+// the caller passes a min_numel above every weight so ATen multiplies them all, and the layer
+// still saves the forward's copies (KV heads repeated per query head, an additive mask).
 void decode_layer(torch::Tensor x, const torch::Tensor& norm_in, double eps_in,
                   const torch::Tensor& wq, const c10::optional<torch::Tensor>& bq,
                   const torch::Tensor& wk, const c10::optional<torch::Tensor>& bk,
