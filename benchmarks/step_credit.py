@@ -11,7 +11,11 @@ seeds and model trained with three advantages, measured in one run.
 
 The env is GuessNumber with `progress_reward` (each guess earns the share of [1, high] it rules
 out; finding the number earns 1) and its state key, the range the hints leave open: states
-recur whenever two episodes of a group narrow the range alike. The policy is the tiny model
+recur whenever two episodes of a group narrow the range alike. `--env grid` takes GridWalk
+instead (a small grid walked to its goal around holes, `progress_reward` per move gained; its
+state is the cell, so states recur on nearly every step). Each run prints the share of steps
+past an episode's first that acted from a state another step of its group acted from too (the
+steps GiGPO's step level compares). The policy is the tiny model
 (2-layer Llama, hidden 64, built in-process), trained as examples/grpo_reference.py does (one
 clipped policy-gradient step per batch, token-mean loss). Per method and seed it prints the
 mean episode return of each step; the summary gives the mean of the last steps and the first
@@ -19,6 +23,7 @@ step whose 3-step moving average reaches the threshold.
 
     python benchmarks/step_credit.py                        # ~8 min on 2 busy cores
     python benchmarks/step_credit.py --steps 40 --seeds 0 1 2
+    python benchmarks/step_credit.py --env grid --turns 8 --seeds 0 1 2 3
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import Counter
+from typing import Any
 
 import gymnasium as gym
 import torch
@@ -96,21 +103,39 @@ def advantages(method: str, x: dict[str, Tensor], group_ids_B: Tensor) -> Tensor
     return rtg_turn_advantages(x["rewards"], x["mask"], x["turns"], group_ids_B)
 
 
-def train(method: str, seed: int, args: argparse.Namespace) -> list[float]:
-    """Mean episode return of each step of one run."""
+def make_env(args: argparse.Namespace, tok: Any) -> gym.Env:
+    if args.env == "grid":
+        return gym.make("agentrl/GridWalk-v0", tokenizer=tok, size=args.size,
+                        max_moves=args.turns, holes=args.holes,
+                        progress_reward=args.progress_reward)
+    return gym.make("agentrl/GuessNumber-v0", tokenizer=tok, high=args.high,
+                    max_guesses=args.turns, progress_reward=args.progress_reward)
+
+
+def anchored_share(trajs: list[Trajectory], group_ids: list[int]) -> float:
+    """The share of steps past an episode's first that acted from a state another step of the
+    same group acted from too: the steps GiGPO's step level can compare."""
+    counts: Counter[tuple[int, int]] = Counter()
+    for traj, group in zip(trajs, group_ids, strict=True):
+        counts.update((group, s) for s in state_ids(traj)[1:])
+    total = sum(counts.values())
+    return sum(n for n in counts.values() if n >= 2) / total if total else 0.0
+
+
+def train(method: str, seed: int, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """Mean episode return of each step of one run, and the share of anchored steps."""
     torch.manual_seed(seed)
     tok = tiny_tokenizer()
     model = tiny_model(tok, seed=seed)
     pad_id = tok.pad_token_id
     engine = create_engine(model, tokenizer=tok)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    returns = []
+    returns: list[float] = []
+    shares: list[float] = []
     for step in range(args.steps):
         model.eval()
         trajs = collect_sync(
-            engine,
-            lambda: gym.make("agentrl/GuessNumber-v0", tokenizer=tok, high=args.high,
-                             max_guesses=args.turns, progress_reward=args.progress_reward),
+            engine, lambda: make_env(args, tok),
             num_prompts=args.prompts, n_samples_per_prompt=args.group,
             sampling=SamplingParams(temperature=1.0, max_tokens=args.max_new_tokens,
                                     seed=derive_seed(seed, step)),
@@ -119,7 +144,8 @@ def train(method: str, seed: int, args: argparse.Namespace) -> list[float]:
             group_prefix=f"s{step}-")
         model.train()
         x = tensors(trajs, pad_id)
-        adv_BT = advantages(method, x, torch.tensor(dense_group_ids(trajs)))
+        group_ids = dense_group_ids(trajs)
+        adv_BT = advantages(method, x, torch.tensor(group_ids))
         logits = model(input_ids=x["ids"], attention_mask=x["attention"]).logits[:, :-1]
         logp_BT = A.logprobs_from_logits(logits, x["ids"][:, 1:], 1.0)
         loss_BT, _ = A.policy_loss("ppo", logp_BT=logp_BT, old_logp_BT=logp_BT.detach(),
@@ -131,8 +157,9 @@ def train(method: str, seed: int, args: argparse.Namespace) -> list[float]:
         optimizer.step()
         engine.update_weights({}, step + 1)
         returns.append(sum(t.total_reward for t in trajs) / len(trajs))
+        shares.append(anchored_share(trajs, group_ids))
     engine.close()
-    return returns
+    return returns, shares
 
 
 def steps_to(curve: list[float], threshold: float) -> int | None:
@@ -149,8 +176,13 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--prompts", type=int, default=4, help="prompts per step")
     p.add_argument("--group", type=int, default=6, help="episodes per prompt")
+    p.add_argument("--env", choices=("guess", "grid"), default="guess",
+                   help="GuessNumber (--high, --turns guesses) or GridWalk (--size, --holes, "
+                        "--turns moves)")
     p.add_argument("--high", type=int, default=16)
-    p.add_argument("--turns", type=int, default=4, help="guesses per episode")
+    p.add_argument("--size", type=int, default=4)
+    p.add_argument("--holes", type=int, default=2)
+    p.add_argument("--turns", type=int, default=4, help="guesses or moves per episode")
     p.add_argument("--progress_reward", type=float, default=1.0)
     p.add_argument("--max_new_tokens", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -163,13 +195,17 @@ def main() -> None:
     print(f"machine: {cpu_description()}, torch threads {torch.get_num_threads()}")
     print(f"args: {json.dumps(vars(args))}")
     curves: dict[str, dict[int, list[float]]] = {m: {} for m in args.methods}
+    anchored: dict[str, list[float]] = {m: [] for m in args.methods}
     t0 = time.perf_counter()
     for seed in args.seeds:
         for method in args.methods:
             t = time.perf_counter()
-            curves[method][seed] = c = train(method, seed, args)
+            c, share = train(method, seed, args)
+            curves[method][seed] = c
+            anchored[method].extend(share)
             print(f"{method:9s} seed {seed}: {' '.join(f'{r:.2f}' for r in c)}  "
-                  f"({time.perf_counter() - t:.0f} s)", flush=True)
+                  f"({time.perf_counter() - t:.0f} s, anchored steps "
+                  f"{sum(share) / len(share):.0%})", flush=True)
     tail = min(5, args.steps)
     final = {m: sum(sum(c[-tail:]) / tail for c in cs.values()) / len(cs)
              for m, cs in curves.items()}
@@ -183,8 +219,12 @@ def main() -> None:
     for m, cs in curves.items():
         reached = [steps_to(c, threshold) for c in cs.values()]
         ratio = f", x{final[m] / base:.2f} of outcome's" if base else ""
+        known = [r for r in reached if r is not None]
+        mean_steps = f"{sum(known) / len(known):.2f}" if known else "-"
+        share = sum(anchored[m]) / len(anchored[m])
         print(f"{m:9s} last-{tail} mean return {final[m]:.3f}{ratio}; steps to threshold "
-              f"per seed {reached}")
+              f"per seed {reached} (mean of those reached {mean_steps}); anchored steps "
+              f"{share:.0%}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,12 @@ register(
     aliases=("guess-number",),
 )
 register(
+    "agentrl/GridWalk-v0",
+    "environments.toy.grid:GridWalkEnv",
+    summary="Multi-turn: walk a 4x4 grid to its goal around holes (states recur; for GiGPO).",
+    aliases=("grid-walk",),
+)
+register(
     "agentrl/Digits-v0",
     "environments.toy.digits:DigitsEnv",
     summary="Answer in digits only; reward = digit fraction per turn (tiny-model learning task).",
