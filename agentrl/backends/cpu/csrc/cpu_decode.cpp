@@ -22,6 +22,7 @@
 
 #include "vec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -227,44 +228,60 @@ void decode_layer(torch::Tensor x, const torch::Tensor& norm_in, double eps_in,
     }
   }
 
-  // Attention: each query head reads its key/value head (grouped-query attention).
+  // Attention: the `groups` query heads of each key/value head (grouped-query attention) read
+  // its cached columns together, each column once while it is in L1. Per head the arithmetic is
+  // the same, in the same order, as one head at a time.
   const int64_t groups = n_heads / n_kv;
   const bool* mk = mask.data_ptr<bool>();
   const float* qp = q.data_ptr<float>();
   float* op = o.data_ptr<float>();
-  at::parallel_for(0, B * n_heads, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p(T);
+  const float scale = static_cast<float>(scaling);
+  at::parallel_for(0, B * n_kv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p(groups * T);
+    std::vector<float> mx(groups), total(groups);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / n_heads, hd = i % n_heads, g = hd / groups;
-      const float* qv = qp + i * D;
+      const int64_t b = i / n_kv, g = i % n_kv;
+      const float* qv = qp + (b * n_heads + g * groups) * D;  // the group's heads, in order
+      float* out = op + (b * n_heads + g * groups) * D;
       const float* keys = kb + b * s0 + g * s1;
       const float* vals = vb + b * t0 + g * t1;
       const bool* live = mk + b * T;
-      float mx = -INFINITY;
+      std::fill(mx.begin(), mx.end(), -INFINITY);
       for (int64_t t = 0; t < T; ++t) {
-        if (!live[t]) {
-          p[t] = -INFINITY;  // exp gives 0
-          continue;
+        const float* key = keys + t * s2;
+        for (int64_t j = 0; j < groups; ++j) {
+          float* pj = p.data() + j * T;
+          if (!live[t]) {
+            pj[t] = -INFINITY;  // exp gives 0
+            continue;
+          }
+          pj[t] = dot(qv + j * D, key, D) * scale;
+          mx[j] = std::max(mx[j], pj[t]);
         }
-        p[t] = dot(qv, keys + t * s2, D) * static_cast<float>(scaling);
-        mx = std::max(mx, p[t]);
       }
-      float total = 0.f;
-      int64_t t = 0;
-      for (; t + kLanes <= T; t += kLanes) {
-        const vec e = vexp(load(p.data() + t) - mx);
-        store(p.data() + t, e);
-        total += lanes_sum(e);
+      for (int64_t j = 0; j < groups; ++j) {
+        float* pj = p.data() + j * T;
+        float sum = 0.f;
+        int64_t t = 0;
+        for (; t + kLanes <= T; t += kLanes) {
+          const vec e = vexp(load(pj + t) - mx[j]);
+          store(pj + t, e);
+          sum += lanes_sum(e);
+        }
+        for (; t < T; ++t) {
+          pj[t] = live[t] ? std::exp(pj[t] - mx[j]) : 0.f;
+          sum += pj[t];
+        }
+        total[j] = sum;
       }
-      for (; t < T; ++t) {
-        p[t] = live[t] ? std::exp(p[t] - mx) : 0.f;
-        total += p[t];
-      }
-      float* out = op + i * D;
-      for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
+      for (int64_t d = 0; d < groups * D; ++d) out[d] = 0.f;
       for (int64_t t = 0; t < T; ++t) {
-        if (p[t] == 0.f) continue;
-        axpy(p[t] / total, vals + t * t2, out, D);
+        if (!live[t]) continue;
+        const float* val = vals + t * t2;
+        for (int64_t j = 0; j < groups; ++j) {
+          const float w = p[j * T + t];
+          if (w != 0.f) axpy(w / total[j], val, out + j * D, D);
+        }
       }
     }
   });
