@@ -24,6 +24,8 @@ runs float32: its fraction uses the fp32 ceiling.
     python benchmarks/generation.py --device cuda --prompts 256 --samples 8
     python3 benchmarks/generation.py --device cuda --dtype bfloat16 --sides baseline,engine
     python benchmarks/generation.py --no-lean-decode        # engine without the CPU decode step
+    python benchmarks/generation.py --sides engine,vllm --prompts 1 --samples 1 --temperature 0 \
+        --max-batch-size 1 --question "Write a long story about a dragon."   # one request
 """
 
 from __future__ import annotations
@@ -42,10 +44,10 @@ import roofline  # benchmarks/roofline.py
 from workloads import QUESTIONS  # benchmarks/workloads.py
 
 
-def build_prompts(tokenizer, n: int) -> list[list[int]]:
+def build_prompts(tokenizer, n: int, question: str | None = None) -> list[list[int]]:
     out = []
     for i in range(n):
-        q = QUESTIONS[i % len(QUESTIONS)]
+        q = question or QUESTIONS[i % len(QUESTIONS)]
         if i >= len(QUESTIONS):
             q = f"{q} (question {i})"
         ids = tokenizer.apply_chat_template(
@@ -213,7 +215,7 @@ def child(args) -> None:
 
     torch.manual_seed(0)
     tok = load_tokenizer(args.model)
-    prompts = build_prompts(tok, args.prompts)
+    prompts = build_prompts(tok, args.prompts, args.question)
     if args.child == "roofline":
         print("RESULT " + json.dumps(measure_roofline(prompts, args)))
         return
@@ -238,6 +240,10 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--question", default=None,
+                    help="ask this instead of the workload's questions (single-request latency: "
+                         "--prompts 1 --samples 1 --temperature 0 with a question whose greedy "
+                         "answer runs past --max-tokens)")
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=1.0)

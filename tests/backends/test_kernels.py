@@ -152,6 +152,15 @@ def _decode(model, prompts, steps, cpu_kernels, ids_per_step=None, wide_kernels=
     return out, cache.kv(), counters["kernel_decode_steps"]
 
 
+def _assert_steps_close(got, want, kv_got, kv_want, atol=1e-4):
+    """Each step's logits and the final KV cache equal up to float32 round-off."""
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=atol)
+    for (ka, va), (kb, vb) in zip(kv_got, kv_want, strict=True):
+        torch.testing.assert_close(ka, kb, rtol=1e-4, atol=atol)
+        torch.testing.assert_close(va, vb, rtol=1e-4, atol=atol)
+
+
 @pytest.mark.parametrize(
     "config",
     [
@@ -170,11 +179,7 @@ def test_kernel_step_matches_the_torch_step(module, tiny_tokenizer, prompts, con
     fed = [w.argmax(-1) for w in want]
     got, kv_got, used = _decode(model, batch, 6, cpu_kernels=True, ids_per_step=fed)
     assert used == 6
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    for (ka, va), (kb, vb) in zip(kv_got, kv_want, strict=True):
-        torch.testing.assert_close(ka, kb, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(va, vb, rtol=1e-4, atol=1e-4)
+    _assert_steps_close(got, want, kv_got, kv_want)
     assert not torch.equal(got[-1], want[-1])  # the kernels' own arithmetic ran
 
 
@@ -198,12 +203,8 @@ def test_kernel_step_matches_at_extreme_activations_and_long_contexts(module, ti
         layer = model.model.layers[0]
         h = layer.post_attention_layernorm(model.model.embed_tokens(torch.tensor(batch[0])))
         assert float(layer.mlp.gate_proj(h).abs().max()) > 100  # what this test is about
-    for a, b in zip(got, want, strict=True):
-        assert bool(torch.isfinite(a).all())
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
-    for (ka, va), (kb, vb) in zip(kv_got, kv_want, strict=True):
-        torch.testing.assert_close(ka, kb, rtol=1e-4, atol=1e-3)
-        torch.testing.assert_close(va, vb, rtol=1e-4, atol=1e-3)
+    assert all(bool(torch.isfinite(a).all()) for a in got)
+    _assert_steps_close(got, want, kv_got, kv_want, atol=1e-3)
 
 
 @pytest.mark.parametrize("config", [{}, {"num_key_value_heads": 4}, {"attention_bias": True}])
@@ -218,11 +219,7 @@ def test_wide_kernel_step_matches_the_torch_step(module, tiny_tokenizer, prompts
     got, kv_got, used = _decode(model, batch, 4, cpu_kernels=False, ids_per_step=fed,
                                 wide_kernels=True)
     assert used == 4
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    for (ka, va), (kb, vb) in zip(kv_got, kv_want, strict=True):
-        torch.testing.assert_close(ka, kb, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(va, vb, rtol=1e-4, atol=1e-4)
+    _assert_steps_close(got, want, kv_got, kv_want)
     assert not torch.equal(got[-1], want[-1])  # the kernel's own arithmetic ran
 
 
