@@ -53,5 +53,11 @@ def test_a_cached_entry_missing_a_family_is_measured_again(fresh, monkeypatch):
 
 
 def test_the_wide_decode_pair_measures_the_same_step_both_ways(module):
-    torch_step, kernel_step = calibrate._wide_decode_pair()
-    torch.testing.assert_close(kernel_step(), torch_step(), rtol=1e-4, atol=1e-4)
+    """Two pairs from the same seed: the first step of each side on its own fresh cache."""
+    torch.manual_seed(0)
+    torch_step, _ = calibrate._wide_decode_pair()
+    torch.manual_seed(0)
+    _, kernel_step = calibrate._wide_decode_pair()
+    want = torch_step()
+    torch.testing.assert_close(kernel_step(), want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(torch_step(), want, rtol=1e-4, atol=1e-4)  # a column more

@@ -124,9 +124,10 @@ def _decode_pair(mod: Any) -> tuple[Callable[[], object], Callable[[], object]]:
 
 
 def _wide_decode_pair() -> tuple[Callable[[], object], Callable[[], object]]:
-    """A decode step of 64 rows over 96 cached columns (padded: rows of 48-96) through two
-    layers of SmolLM2-135M's widths (a small vocabulary: the head is the same GEMM both ways),
-    the forward's arithmetic against the kernel layer with ATen's GEMMs."""
+    """Decode steps of 64 rows over ~100 cached columns (padded: rows of 48-96 at the start)
+    through two layers of SmolLM2-135M's widths (a small vocabulary: the head is the same GEMM
+    both ways), the forward's arithmetic against the kernel layer with ATen's GEMMs. Both append
+    a column to one cache at each call (its buffer grows once, in the warm-up)."""
     import functools
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -140,13 +141,15 @@ def _wide_decode_pair() -> tuple[Callable[[], object], Callable[[], object]]:
     rows, cols = 64, 96
     mask = (torch.arange(cols)[None, :] >= torch.randint(0, cols // 2, (rows, 1))).long()
     kv = [(torch.randn(rows, 3, cols, 64), torch.randn(rows, 3, cols, 64)) for _ in range(2)]
+    cache = BatchCache(kv, mask)
     ids, pos = torch.randint(0, 256, (rows,)), mask.sum(-1)
-    new_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
 
     def step(wide: bool) -> object:
-        cache = BatchCache(kv, mask)  # a fresh cache each call: every step appends one column
+        new_mask = torch.cat([cache.mask, torch.ones_like(cache.mask[:, :1])], dim=1)
         with torch.no_grad():
-            return decode_logits(model, ids, pos, cache.cache, new_mask, wide_kernels=wide)
+            out = decode_logits(model, ids, pos, cache.cache, new_mask, wide_kernels=wide)
+        cache.mask = new_mask
+        return out
 
     return functools.partial(step, False), functools.partial(step, True)
 

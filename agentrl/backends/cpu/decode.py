@@ -115,7 +115,7 @@ def decode_logits(
     - `wide_kernels`, more rows: the layer with ATen's GEMMs for the projections, and attention,
       rotary embedding, norms and gating in the kernel. The forward's attention repeats each
       KV head for its query heads (a copy of the whole cache per layer) and runs SDPA with a
-      padding mask; at 64 rows and ~100 columns that was as long as the step's GEMMs.
+      padding mask: at 64 rows and 74 columns 81 ms of a 294 ms step (the GEMMs 182 ms).
     `counters["kernel_decode_steps"]` counts the steps that ran in the kernels.
     """
     plan = _plan(model)
