@@ -48,17 +48,23 @@ def state_ids(traj: Trajectory) -> list[int]:
     return [turn_state_id(traj, t) for t in traj.turns]
 
 
-def recurring_states(trajs: Sequence[Trajectory], group_ids: Sequence[int]) -> int:
-    """How many anchor states (a group's state, past each episode's first turn, that two or
-    more of its steps acted from) the batch has: GiGPO's step level is GRPO's where it is 0.
-    The segments of one episode count as the episode (only its first segment's first turn is
-    its first step)."""
+def state_visits(trajs: Sequence[Trajectory], group_ids: Sequence[int]
+                 ) -> Counter[tuple[int, int]]:
+    """How many steps past each episode's first acted from each `(group, state id)`. The
+    segments of one episode count as the episode (only its first segment's first turn is its
+    first step)."""
     counts: Counter[tuple[int, int]] = Counter()
     for traj, group in zip(trajs, group_ids, strict=True):
         first_segment = int(traj.info.get("segment", 0)) == 0
         ids = state_ids(traj)
         counts.update((group, s) for s in (ids[1:] if first_segment else ids))
-    return sum(n >= 2 for n in counts.values())
+    return counts
+
+
+def recurring_states(trajs: Sequence[Trajectory], group_ids: Sequence[int]) -> int:
+    """How many anchor states (a group's state, past each episode's first turn, that two or
+    more of its steps acted from) the batch has: GiGPO's step level is GRPO's where it is 0."""
+    return sum(n >= 2 for n in state_visits(trajs, group_ids).values())
 
 
 def names_states(trajs: Sequence[Trajectory]) -> bool:

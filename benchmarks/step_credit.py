@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections import Counter
 from typing import Any
 
 import gymnasium as gym
@@ -42,7 +41,7 @@ from torch import Tensor
 import agentrl  # noqa: F401 - registers the env ids
 from agentrl import algorithms as A
 from agentrl.algorithms import gigpo as G
-from agentrl.anchors import state_ids
+from agentrl.anchors import state_ids, state_visits
 from agentrl.completion import SamplingParams
 from agentrl.engine import create_engine
 from agentrl.models.tiny import tiny_model, tiny_tokenizer
@@ -115,9 +114,7 @@ def make_env(args: argparse.Namespace, tok: Any) -> gym.Env:
 def anchored_share(trajs: list[Trajectory], group_ids: list[int]) -> float:
     """The share of steps past an episode's first that acted from a state another step of the
     same group acted from too: the steps GiGPO's step level can compare."""
-    counts: Counter[tuple[int, int]] = Counter()
-    for traj, group in zip(trajs, group_ids, strict=True):
-        counts.update((group, s) for s in state_ids(traj)[1:])
+    counts = state_visits(trajs, group_ids)
     total = sum(counts.values())
     return sum(n for n in counts.values() if n >= 2) / total if total else 0.0
 

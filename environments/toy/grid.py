@@ -44,14 +44,14 @@ class GridWalkEnv(ChatEnv):
         self.size, self.max_moves, self.progress_reward = size, max_moves, progress_reward
         self.goal = (size - 1, size - 1)
         self.holes, self.distance = _layout(size, holes, layout, self.goal)
+        far = sorted(c for c, d in self.distance.items() if d >= 2)
+        self.starts = far or sorted(c for c, d in self.distance.items() if d >= 1)
         self.cell, self.moves, self.start_distance, self.earned = self.goal, 0, 1, 0.0
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[list[Message], dict[str, Any]]:
-        starts = sorted(c for c, d in self.distance.items() if d >= 2) or sorted(
-            c for c, d in self.distance.items() if d >= 1)
-        self.cell = starts[int(self.np_random.integers(len(starts)))]
+        self.cell = self.starts[int(self.np_random.integers(len(self.starts)))]
         self.moves, self.start_distance, self.earned = 0, self.distance[self.cell], 0.0
         prompt = (
             f"Walk to the goal G on this {self.size}x{self.size} grid without stepping into a "

@@ -7,7 +7,7 @@ import gymnasium as gym
 import numpy as np
 
 import agentrl  # noqa: F401 - registers the toy env ids
-from agentrl.anchors import names_states, recurring_states, state_ids
+from agentrl.anchors import names_states, recurring_states, state_ids, state_visits
 from agentrl.completion import SamplingParams
 from agentrl.engine.fakes import FakeEngine
 from agentrl.rollout import collect_sync
@@ -58,6 +58,9 @@ def test_recurring_states_skip_first_turns_and_count_per_group() -> None:
     trajs = [_episode([[1], [5], [8]]), _episode([[1], [6], [5]]), _episode([[1], [5]])]
     assert recurring_states(trajs, [0, 0, 0]) == 1
     assert recurring_states(trajs, [0, 1, 2]) == 0  # the same state in other groups
+    ids = [state_ids(t) for t in trajs]
+    assert state_visits(trajs, [0, 0, 0]) == {(0, ids[0][1]): 3, (0, ids[0][2]): 1,
+                                              (0, ids[1][1]): 1}
     # A later segment's first turn is a step of its episode like any other.
     later = _episode([[4], [9]], segment=1)
     assert recurring_states([_episode([[1], [4]]), later], [0, 0]) == 1

@@ -250,13 +250,9 @@ void decode_layer(torch::Tensor x, const torch::Tensor& norm_in, double eps_in,
       for (int64_t t = 0; t < T; ++t) {
         const float* key = keys + t * s2;
         for (int64_t j = 0; j < groups; ++j) {
-          float* pj = p.data() + j * T;
-          if (!live[t]) {
-            pj[t] = -INFINITY;  // exp gives 0
-            continue;
-          }
-          pj[t] = dot(qv + j * D, key, D) * scale;
-          mx[j] = std::max(mx[j], pj[t]);
+          float& pjt = p[j * T + t];
+          pjt = live[t] ? dot(qv + j * D, key, D) * scale : -INFINITY;  // exp(-inf) gives 0
+          mx[j] = std::max(mx[j], pjt);
         }
       }
       for (int64_t j = 0; j < groups; ++j) {
