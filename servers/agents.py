@@ -34,6 +34,7 @@ from fastapi import FastAPI
 
 from agentrl.http_client import async_http_client
 from agentrl.rewards import RewardServiceError
+from agentrl.seeding import derive_seed
 from agentrl.terminal_safe import visible
 from agentrl.types import Trajectory, group_name
 from servers.serving import serve_in_thread
@@ -228,6 +229,7 @@ async def run_agents(
     group_fn: Callable[[int, TaskT], str] | None = None,
     raise_on_error: bool = False,
     timeout_s: float | None = None,
+    seed: int | None = None,
 ) -> list[Trajectory]:
     """Run `agent_fn` `n_samples_per_task` times per task, each run in its own proxy session;
     return all trajectories.
@@ -242,7 +244,9 @@ async def run_agents(
     cannot score (`RewardServiceError`). A group whose episodes are all discarded is logged.
     Trajectories come back in (task, sample) order; a session in segments (a chat template
     that rewrites history, or a client that changed text) yields one per segment, all of one
-    episode (`agentrl.segments`).
+    episode (`agentrl.segments`). seed: the session of task i's sample j is seeded with
+    derive_seed(seed, i, j), so the calls that set no seed sample the same tokens on every run
+    (`servers.sessions.Session.call_seed`); None leaves them to the engine's shared generator.
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -262,7 +266,10 @@ async def run_agents(
                 name = f"ep{i}" if n_samples_per_task == 1 else f"ep{i}.{j}"  # task.sample
                 sid = f"{name}-{uuid.uuid4().hex[:12]}"
                 info = {"task_index": i, "sample_index": j}
-                r = await http.post("/sessions", json={"id": sid, "group": group, "info": info})
+                body = {"id": sid, "group": group, "info": info}
+                if seed is not None:
+                    body["seed"] = derive_seed(seed, i, j)
+                r = await http.post("/sessions", json=body)
                 r.raise_for_status()
                 try:
                     ended, error = await episodes.run(sid, i, task)

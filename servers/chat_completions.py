@@ -103,6 +103,7 @@ class ChatCall:
             n=req.n,
             stop=req.stop_tuple(),
             seed=req.seed,
+            session=self.session,
             top_logprobs=req.top_logprobs or 0,
             penalties={
                 "frequency_penalty": req.frequency_penalty,

@@ -90,7 +90,7 @@ async def completions(request: Request) -> Response:
     params = sampling_params(
         state, prompt_len=len(ids), max_tokens=req.max_new_tokens(), temperature=req.temperature,
         top_p=req.top_p, top_k=req.top_k, n=req.n, stop=req.stop_tuple(), seed=req.seed,
-        top_logprobs=req.logprobs or 0,
+        session=session, top_logprobs=req.logprobs or 0,
         penalties={"frequency_penalty": req.frequency_penalty,
                    "presence_penalty": req.presence_penalty},
         logit_bias=req.logit_bias,

@@ -85,10 +85,11 @@ class SqliteSessionStore(InMemorySessionStore):
     # -- the store interface ----------------------------------------------------------------
 
     def create(
-        self, session_id: str | None = None, *, group: str | None = None, info: dict | None = None
+        self, session_id: str | None = None, *, group: str | None = None,
+        info: dict | None = None, seed: int | None = None,
     ) -> Session:
-        session = super().create(session_id, group=group, info=info)
-        self._append(session.id, "create", {"group": group, "info": info or {},
+        session = super().create(session_id, group=group, info=info, seed=seed)
+        self._append(session.id, "create", {"group": group, "info": info or {}, "seed": seed,
                                             "created": session.created})
         session.journal = functools.partial(self._append, session.id)
         return session
@@ -209,8 +210,9 @@ def _apply(store: InMemorySessionStore, path: Path, sid: str, kind: str, data: A
     """One event of the log, through the same `Session` methods that made it (the in-memory
     store's own `create` and `delete`: replaying journals nothing)."""
     if kind == "create":
-        InMemorySessionStore.create(store, sid, group=data["group"], info=data["info"]).created = (
-            data["created"])
+        # "seed" is absent from stores written before sessions had seeds.
+        InMemorySessionStore.create(store, sid, group=data["group"], info=data["info"],
+                                    seed=data.get("seed")).created = data["created"]
         return
     session = store.get(sid)
     if kind == "delete":

@@ -198,6 +198,7 @@ def sampling_params(
     n: int,
     stop: tuple[str, ...],
     seed: int | None,
+    session: Session | None,
     top_logprobs: int,
     penalties: dict[str, float | None],
     logit_bias: dict[str, float] | None = None,
@@ -216,6 +217,9 @@ def sampling_params(
         )
     if max_tokens is None:
         max_tokens = state.config.max_tokens_default or remaining
+    if session is not None:  # drawn whether used or not: call k's seed is the k-th draw
+        session_seed = session.call_seed()
+        seed = session_seed if seed is None else seed
     for name, value in penalties.items():
         if value and name not in _warned:
             _warned.add(name)

@@ -298,6 +298,8 @@ class SessionCreate(BaseModel):
     id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
     group: str | None = None
     info: dict = Field(default_factory=dict)
+    seed: Seed | None = None
+    """Seeds the sampling of the session's calls that set no seed (`Session.call_seed`)."""
 
 
 # The Responses API's request (`POST /v1/responses`, servers/responses.py): input items, tools

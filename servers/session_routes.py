@@ -52,7 +52,7 @@ async def create_session(request: Request) -> JSONResponse:
     if req.id is not None:
         valid_session_id(req.id)
     try:
-        session = state.store.create(req.id, group=req.group, info=req.info)
+        session = state.store.create(req.id, group=req.group, info=req.info, seed=req.seed)
     except KeyError as e:
         raise APIError(409, f"{e.args[0]}; pick another id or omit it", code="session_exists",
                        param="id") from None

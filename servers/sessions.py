@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agentrl.completion import Completion
+from agentrl.seeding import derive_seed
 from agentrl.types import Image, Trajectory, TrajectoryBuilder
 from servers.finite import finite
 
@@ -163,10 +164,14 @@ class _Branch:
 class Session:
     """One agent episode (or several segments of it). Not thread-safe by itself; see the store."""
 
-    def __init__(self, session_id: str, *, group: str | None = None, info: dict | None = None):
+    def __init__(self, session_id: str, *, group: str | None = None, info: dict | None = None,
+                 seed: int | None = None):
         self.id = session_id
         self.group = group
         self.info: dict = dict(info or {})
+        self.seed = seed
+        """Seeds the sampling of calls that set no seed of their own (`call_seed`)."""
+        self._calls_seeded = 0
         self.created = time.time()
         self.closed = False
         self.terminated = False
@@ -183,6 +188,16 @@ class Session:
         """Events of this session the store could not read back (skipped when replayed)."""
         self._cache: tuple[list[Trajectory], int] | None = None
         self._version = 0
+
+    def call_seed(self) -> int | None:
+        """The sampling seed of the session's next call when it sets none (None without a
+        session seed): call k's is derive_seed(seed, k), so an agent that calls one at a time
+        samples the same tokens on every run of the same seed, however the engine batches it
+        with other sessions' calls. Every call draws one, seeded or not; a retry counts as a
+        new call. A session read back from a durable store goes on after its recorded calls."""
+        k = max(self._calls_seeded, len(self.calls) + self.replaced_calls)
+        self._calls_seeded = k + 1
+        return None if self.seed is None else derive_seed(self.seed, k)
 
     # -- recording ------------------------------------------------------------------------
 
@@ -348,6 +363,7 @@ class Session:
             "object": "session",
             "created": int(self.created),
             "group": self.group,
+            "seed": self.seed,
             "closed": self.closed,
             "num_calls": len(done),
             "aborted_calls": len(self.calls) - len(done),
@@ -381,7 +397,8 @@ def _shift(im: Image) -> Image:
 class SessionStore(Protocol):
     def get(self, session_id: str) -> Session | None: ...
     def create(
-        self, session_id: str | None = None, *, group: str | None = None, info: dict | None = None
+        self, session_id: str | None = None, *, group: str | None = None,
+        info: dict | None = None, seed: int | None = None,
     ) -> Session: ...
     def list(self) -> list[Session]: ...
     def delete(self, session_id: str) -> bool: ...
@@ -401,13 +418,14 @@ class InMemorySessionStore:
         return self._sessions.get(session_id)
 
     def create(
-        self, session_id: str | None = None, *, group: str | None = None, info: dict | None = None
+        self, session_id: str | None = None, *, group: str | None = None,
+        info: dict | None = None, seed: int | None = None,
     ) -> Session:
         with self._lock:
             sid = uuid.uuid4().hex if session_id is None else check_session_id(session_id)
             if sid in self._sessions:
                 raise KeyError(f"session {sid!r} already exists")
-            session = Session(sid, group=group, info=info)
+            session = Session(sid, group=group, info=info, seed=seed)
             self._sessions[sid] = session
             return session
 

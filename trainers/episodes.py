@@ -125,15 +125,17 @@ def collect_agent_episodes(
     picked = [tasks[s % len(tasks)] for s in seeds]
     return run_agent_episodes(engine, cfg, tokenizer, picked,
                               n_samples=cfg.rollout.n_samples_per_prompt,
-                              group_prefix=group_prefix(step))
+                              group_prefix=group_prefix(step), purpose=step)
 
 
 def run_agent_episodes(
     engine: Any, cfg: TrainConfig, tokenizer: Any, tasks: list[Any], *, n_samples: int,
-    group_prefix: str,
+    group_prefix: str, purpose: int | str,
 ) -> list[Trajectory]:
     """The run's agent on `tasks` (n_samples episodes each, task i's a group), each episode a
-    session of a proxy over `engine`, scored by --agent_reward or --reward.url."""
+    session of a proxy over `engine`, scored by --agent_reward or --reward.url. The sessions
+    are seeded from --seed and `purpose` (a training step, or "eval"), as env rollouts are: the
+    agent's calls that set no seed sample alike on every run of the same seed."""
     import asyncio
 
     from servers.agent_processes import CommandAgent
@@ -163,6 +165,7 @@ def run_agent_episodes(
             n_samples_per_task=n_samples,
             group_prefix=group_prefix,
             timeout_s=cfg.agent_timeout_s,
+            seed=derive_seed(cfg.seed, purpose),
         )
     )
     _warn_capped(trajs, cfg.rollout.max_new_tokens)
@@ -248,7 +251,7 @@ def evaluate_agent(engine: Any, cfg: TrainConfig, tokenizer: Any) -> Any:
 
     tasks = load_tasks(cfg.agent_eval_tasks, "--agent_eval_tasks")[: cfg.eval_problems]
     trajs = run_agent_episodes(engine, cfg, tokenizer, tasks, n_samples=cfg.eval_samples,
-                               group_prefix="eval-")
+                               group_prefix="eval-", purpose="eval")
     by_session: dict[str, Trajectory] = {}
     for t in trajs:
         t.info["prompt_index"] = int(t.info.get("task_index", 0))
