@@ -266,7 +266,7 @@ async def run_agents(
                 name = f"ep{i}" if n_samples_per_task == 1 else f"ep{i}.{j}"  # task.sample
                 sid = f"{name}-{uuid.uuid4().hex[:12]}"
                 info = {"task_index": i, "sample_index": j}
-                body = {"id": sid, "group": group, "info": info}
+                body: dict[str, Any] = {"id": sid, "group": group, "info": info}
                 if seed is not None:
                     body["seed"] = derive_seed(seed, i, j)
                 r = await http.post("/sessions", json=body)

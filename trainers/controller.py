@@ -210,12 +210,18 @@ class Trainer:
         return self.rollout is not None and self.rollout is self.policy
 
     @functools.cached_property
+    def _tokenizer(self) -> Any:
+        """The policy's tokenizer (or processor), loaded once in this process."""
+        from agentrl.models import load_tokenizer
+
+        return load_tokenizer(self.cfg.actor.model)
+
+    @functools.cached_property
     def _image_token(self) -> int | None:
         """The policy's image placeholder token (None for a text-only model)."""
-        from agentrl.models import load_tokenizer
         from agentrl.models.vision import vision_processor
 
-        vision = vision_processor(load_tokenizer(self.cfg.actor.model))
+        vision = vision_processor(self._tokenizer)
         return vision.image_token_id if vision is not None else None
 
     def _train_step(self) -> dict[str, Any]:
@@ -336,11 +342,10 @@ class Trainer:
     def _play_warmup(self) -> tuple[Any, float]:
         """The warm-up's scripted episodes, saved to run_dir/warmup.jsonl, and the seconds
         they took."""
-        from agentrl.models import load_tokenizer
         from trainers.episodes import warmup_episodes
 
         t0 = time.perf_counter()
-        played = warmup_episodes(self.cfg, load_tokenizer(self.cfg.actor.model))
+        played = warmup_episodes(self.cfg, self._tokenizer)
         if not played.trajectories:
             raise TrainingError(f"the warm-up's {played.discarded} scripted episodes were all "
                                 f"discarded by the env (first: {played.first_error})")

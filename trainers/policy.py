@@ -16,7 +16,7 @@ import copy
 import functools
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -274,12 +274,8 @@ class PolicyWorker:
                     loss = sft_loss(logp, batch.mask[idx, : n - 1], num_tokens)
                     return loss, {"loss": float(loss.detach())}
 
-                step_loss = 0.0
-                for rows in batch.micro_batches(self._order(batch, mine),
-                                                self.cfg.micro_batch_size):
-                    step_loss += self.policy.forward_backward(rows, loss_fn)["loss"]
+                step_loss = self._gradients(batch, mine, loss_fn, ("loss",))["loss"]
                 self.policy.optimizer_step()
-                step_loss = all_sum([step_loss])[0]
                 total += step_loss * num_tokens
                 tokens += num_tokens
                 steps += 1
@@ -327,16 +323,24 @@ class PolicyWorker:
         sel = torch.as_tensor(rows, device=self.device)
         num_tokens, num_seqs = all_sum([float(batch.mask[sel].sum()), float(len(rows))])
         loss_fn = functools.partial(self._policy_loss, batch, num_tokens, num_seqs)
-        totals = {"loss": 0.0, "entropy": 0.0, "clip_ratio": 0.0, "mismatch": 0.0}
-        for idx, n in batch.micro_batches(self._order(batch, rows), self.cfg.micro_batch_size):
-            m = self.policy.forward_backward((idx, n), loss_fn)
-            for k in totals:
-                totals[k] += m[k]
-        totals = dict(zip(totals, all_sum(list(totals.values())), strict=True))
+        totals = self._gradients(batch, rows, loss_fn,
+                                 ("loss", "entropy", "clip_ratio", "mismatch"))
         totals.update(self.policy.optimizer_step())
         if self.critic is not None:
             totals["value_loss"] = self._critic_step(batch, rows, num_tokens)
         return totals
+
+    def _gradients(self, batch: RolloutBatch, rows: list[int],
+                   loss_fn: Callable[[nn.Module, Rows], tuple[Tensor, dict[str, float]]],
+                   keys: tuple[str, ...]) -> dict[str, float]:
+        """Accumulate the policy's gradients of `loss_fn` over micro-batches of `rows` (this
+        rank's): its metrics `keys`, summed over the micro-batches and all ranks."""
+        totals = dict.fromkeys(keys, 0.0)
+        for mb in batch.micro_batches(self._order(batch, rows), self.cfg.micro_batch_size):
+            m = self.policy.forward_backward(mb, loss_fn)
+            for k in totals:
+                totals[k] += m[k]
+        return dict(zip(totals, all_sum(list(totals.values())), strict=True))
 
     def _policy_loss(
         self, batch: RolloutBatch, num_tokens: float, num_seqs: float, module: nn.Module,
