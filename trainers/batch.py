@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from agentrl.anchors import state_ids
+from agentrl.models.packed_attention import PackedLayout
 from agentrl.segments import episode_key
 from agentrl.types import Trajectory, dense_group_ids
 
@@ -205,6 +206,9 @@ class Packed:
     """The images whose tokens the packed sequence holds, in order."""
     mrope: Tensor | None = None
     """[3, 1, L] mRoPE positions (models with 3-D positions)."""
+    layout: PackedLayout | None = None
+    """Where each sequence lies in the row, for attention one sequence at a time
+    (`agentrl.models.packed_attention`)."""
 
     @property
     def shared_tokens(self) -> int:
@@ -248,6 +252,7 @@ def pack(batch: RolloutBatch, idx: Tensor, n: int, *, share_prefixes: bool = Tru
     dev = batch.input_ids.device
     index = torch.full((len(rows), n), -1, dtype=torch.long, device=dev)
     offset = 0
+    groups: list[tuple[int, tuple[int, ...]]] = []
     for seg, members in enumerate(buckets.values()):
         shared = 0
         if len(members) > 1:
@@ -265,6 +270,7 @@ def pack(batch: RolloutBatch, idx: Tensor, n: int, *, share_prefixes: bool = Tru
             for u in members:
                 index[u, :shared] = torch.arange(offset, offset + shared, device=dev)
             offset += shared
+        groups.append((shared, tuple(lengths[u] - shared for u in members)))
         for u in members:
             m = lengths[u] - shared
             take(rows[u], shared, lengths[u])
@@ -282,7 +288,7 @@ def pack(batch: RolloutBatch, idx: Tensor, n: int, *, share_prefixes: bool = Tru
             & ((owner[None, :] == -1) | (owner[None, :] == owner[:, None]))
         )[None, None]
     mrope = torch.cat(mrope_parts, dim=1)[:, None] if mrope_parts else None
-    return Packed(ids, pos, mask, index, images, mrope)
+    return Packed(ids, pos, mask, index, images, mrope, PackedLayout(tuple(groups), dev))
 
 
 def _common_prefix(seqs: Sequence[Tensor]) -> int:

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from agentrl.backends import TrainBackend
 from agentrl.backends.device import autocast
+from agentrl.models import packed_attention
 from agentrl.models.vision import VisionProcessor
 from trainers.batch import RolloutBatch, pack
 from trainers.config import TrainConfig
@@ -50,6 +51,9 @@ def token_logprobs(
             inputs["position_ids"] = torch.cat([packed.position_ids[None], packed.mrope])
         if packed.attention_mask is not None:
             inputs["attention_mask"] = packed.attention_mask
+        if _segments(module):
+            packed_attention.register()
+            inputs["packed_layout"] = packed.layout
         shared = packed.shared_tokens
         if packed.images:
             inputs.update(_image_inputs(batch, packed.images, vision))
@@ -109,6 +113,20 @@ def _masks(module: nn.Module) -> bool:
     attention's varlen kernels do not."""
     impl = getattr(getattr(_unwrapped(module), "config", None), "_attn_implementation", None)
     return impl in ("sdpa", "eager")
+
+
+def _segments(module: nn.Module) -> bool:
+    """Attention one packed sequence at a time (`agentrl.models.packed_attention`): for a
+    model on transformers' SDPA whose forward passes keyword arguments on to its attention."""
+    inner = _unwrapped(module)
+    impl = getattr(getattr(inner, "config", None), "_attn_implementation", None)
+    if impl != packed_attention.NAME:
+        return False
+    try:
+        params = inspect.signature(inner.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _accepts_logits_to_keep(module: nn.Module) -> bool:
