@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,7 +47,8 @@ def token_logprobs(
     if cfg.packing:
         packed = pack(batch, idx, n, share_prefixes=cfg.share_prefixes and _masks(module))
         flat = packed.index[r, c]
-        inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids}
+        inputs: dict[str, Any] = {"input_ids": packed.input_ids,
+                                  "position_ids": packed.position_ids}
         if packed.mrope is not None:
             inputs["position_ids"] = torch.cat([packed.position_ids[None], packed.mrope])
         if packed.attention_mask is not None:

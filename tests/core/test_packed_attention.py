@@ -94,8 +94,9 @@ def test_a_model_forward_hands_the_layout_to_every_layer(monkeypatch):
     layout = PackedLayout(GROUPS)
     L = layout.length
     ids = torch.randint(3, 100, (1, L), generator=torch.Generator().manual_seed(1))
-    pos = [list(range(p)) + [x for r in rests for x in range(p, p + r)] for p, rests in GROUPS]
-    position_ids = torch.tensor([sum(pos, [])])
+    pos = [x for p, rests in GROUPS for x in [*range(p), *(y for r in rests
+                                                         for y in range(p, p + r))]]
+    position_ids = torch.tensor([pos])
     pieces = []
     spy = packed_attention.PackedLayout.mask
 
