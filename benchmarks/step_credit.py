@@ -15,7 +15,9 @@ recur whenever two episodes of a group narrow the range alike. `--env grid` take
 instead (a small grid walked to its goal around holes, `progress_reward` per move gained; its
 state is the cell, so states recur on nearly every step). Each run prints the share of steps
 past an episode's first that acted from a state another step of its group acted from too (the
-steps GiGPO's step level compares). The policy is the tiny model
+steps GiGPO's step level compares). `--warmup_episodes N` (GridWalk) first imitates N episodes
+of random on-grid moves, so the RL steps go to choosing moves rather than learning to answer
+with one. The policy is the tiny model
 (2-layer Llama, hidden 64, built in-process), trained as examples/grpo_reference.py does (one
 clipped policy-gradient step per batch, token-mean loss). Per method and seed it prints the
 mean episode return of each step; the summary gives the mean of the last steps and the first
@@ -24,12 +26,14 @@ step whose 3-step moving average reaches the threshold.
     python benchmarks/step_credit.py                        # ~8 min on 2 busy cores
     python benchmarks/step_credit.py --steps 40 --seeds 0 1 2
     python benchmarks/step_credit.py --env grid --turns 8 --seeds 0 1 2 3
+    python benchmarks/step_credit.py --env grid --turns 8 --warmup_episodes 64
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from typing import Any
 
@@ -46,8 +50,10 @@ from agentrl.completion import SamplingParams
 from agentrl.engine import create_engine
 from agentrl.models.tiny import tiny_model, tiny_tokenizer
 from agentrl.rollout import collect_sync
+from agentrl.rollout.scripted import play_scripted
 from agentrl.seeding import derive_seed
 from agentrl.types import Trajectory, dense_group_ids
+from environments.toy.grid import MOVES
 
 METHODS = ("outcome", "rtg_turn", "gigpo")
 
@@ -119,11 +125,63 @@ def anchored_share(trajs: list[Trajectory], group_ids: list[int]) -> float:
     return sum(n for n in counts.values() if n >= 2) / total if total else 0.0
 
 
-def train(method: str, seed: int, args: argparse.Namespace) -> tuple[list[float], list[float]]:
-    """Mean episode return of each step of one run, and the share of anchored steps."""
+def random_moves(env: gym.Env, seed: int) -> gym.Env:
+    """GridWalk whose scripted policy is a uniformly random move that stays on the grid (holes
+    included): imitating it teaches the answer's form, not which move is good."""
+    chat = env.unwrapped.chat_env  # type: ignore[attr-defined]
+    rng = random.Random(seed)
+
+    def on_the_grid() -> str:
+        r, c = chat.cell
+        return rng.choice([m for m, (dr, dc) in MOVES.items()
+                           if 0 <= r + dr < chat.size and 0 <= c + dc < chat.size])
+
+    chat.oracle_action = on_the_grid
+    return env
+
+
+def warm_start(seed: int, args: argparse.Namespace) -> dict[str, Tensor]:
+    """The tiny model after imitating `--warmup_episodes` random-move episodes of GridWalk
+    (`random_moves`) for `--warmup_epochs` epochs (token-mean NLL of the answers, batches of
+    8): the weights every method of the seed starts from."""
     torch.manual_seed(seed)
     tok = tiny_tokenizer()
     model = tiny_model(tok, seed=seed)
+    if not args.warmup_episodes:
+        return model.state_dict()
+    played = play_scripted(lambda: random_moves(make_env(args, tok), seed),
+                           [derive_seed(seed, "warmup", i) for i in range(args.warmup_episodes)],
+                           max_turns=args.turns)
+    trajs = played.trajectories
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    order = random.Random(derive_seed(seed, "warmup-order"))
+    model.train()
+    losses: list[float] = []
+    for _ in range(args.warmup_epochs):
+        picked = list(range(len(trajs)))
+        order.shuffle(picked)
+        for i in range(0, len(picked), 8):
+            x = tensors([trajs[j] for j in picked[i : i + 8]], tok.pad_token_id)
+            logits = model(input_ids=x["ids"], attention_mask=x["attention"]).logits[:, :-1]
+            logp_BT = A.logprobs_from_logits(logits, x["ids"][:, 1:], 1.0)
+            loss = -(logp_BT * x["mask"]).sum() / x["mask"].sum()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    print(f"seed {seed} warm-up: {len(trajs)} random-move episodes x {args.warmup_epochs} "
+          f"epochs, answer NLL {losses[0]:.2f} -> {losses[-1]:.2f}", flush=True)
+    return model.state_dict()
+
+
+def train(method: str, seed: int, args: argparse.Namespace,
+          start: dict[str, Tensor]) -> tuple[list[float], list[float]]:
+    """Mean episode return of each step of one run from the weights `start`, and the share of
+    anchored steps."""
+    torch.manual_seed(seed)
+    tok = tiny_tokenizer()
+    model = tiny_model(tok, seed=seed)
+    model.load_state_dict(start)
     pad_id = tok.pad_token_id
     engine = create_engine(model, tokenizer=tok)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -187,7 +245,15 @@ def main() -> None:
                    help="return to reach (default: halfway from the first steps' mean to the "
                         "best final mean of any method)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--warmup_episodes", type=int, default=0,
+                   help="--env grid: imitate this many episodes of random on-grid moves first "
+                        "(the same warmed weights start every method of a seed)")
+    p.add_argument("--warmup_epochs", type=int, default=2)
     args = p.parse_args()
+    if args.warmup_episodes and args.env != "grid":
+        p.error("--warmup_episodes is for --env grid (GridWalk's random moves)")
+    if args.warmup_episodes < 0 or args.warmup_epochs < 1:
+        p.error("--warmup_episodes must be >= 0 and --warmup_epochs >= 1")
     torch.set_num_threads(2)
     print(f"machine: {cpu_description()}, torch threads {torch.get_num_threads()}")
     print(f"args: {json.dumps(vars(args))}")
@@ -195,9 +261,10 @@ def main() -> None:
     anchored: dict[str, list[float]] = {m: [] for m in args.methods}
     t0 = time.perf_counter()
     for seed in args.seeds:
+        start = warm_start(seed, args)
         for method in args.methods:
             t = time.perf_counter()
-            c, share = train(method, seed, args)
+            c, share = train(method, seed, args, start)
             curves[method][seed] = c
             anchored[method].extend(share)
             print(f"{method:9s} seed {seed}: {' '.join(f'{r:.2f}' for r in c)}  "
