@@ -21,12 +21,14 @@ with one. The policy is the tiny model
 (2-layer Llama, hidden 64, built in-process), trained as examples/grpo_reference.py does (one
 clipped policy-gradient step per batch, token-mean loss). Per method and seed it prints the
 mean episode return of each step; the summary gives the mean of the last steps and the first
-step whose 3-step moving average reaches the threshold.
+step whose 3-step moving average reaches the threshold, and each method's mean return over
+all steps against outcome's, paired by seed, with its 95% interval.
 
     python benchmarks/step_credit.py                        # ~8 min on 2 busy cores
     python benchmarks/step_credit.py --steps 40 --seeds 0 1 2
     python benchmarks/step_credit.py --env grid --turns 8 --seeds 0 1 2 3
     python benchmarks/step_credit.py --env grid --turns 8 --warmup_episodes 64
+    python benchmarks/step_credit.py --summarise run1.log run2.log   # seeds of both, paired
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
+import statistics
 import time
 from typing import Any
 
@@ -249,7 +253,13 @@ def main() -> None:
                    help="--env grid: imitate this many episodes of random on-grid moves first "
                         "(the same warmed weights start every method of a seed)")
     p.add_argument("--warmup_epochs", type=int, default=2)
+    p.add_argument("--summarise", nargs="+", metavar="LOG", default=None,
+                   help="train nothing: summarise the curves these earlier runs printed "
+                        "(e.g. two invocations with other seeds), paired by seed")
     args = p.parse_args()
+    if args.summarise:
+        summarise(read_curves(args.summarise), args.threshold)
+        return
     if args.warmup_episodes and args.env != "grid":
         p.error("--warmup_episodes is for --env grid (GridWalk's random moves)")
     if args.warmup_episodes < 0 or args.warmup_epochs < 1:
@@ -270,26 +280,65 @@ def main() -> None:
             print(f"{method:9s} seed {seed}: {' '.join(f'{r:.2f}' for r in c)}  "
                   f"({time.perf_counter() - t:.0f} s, anchored steps "
                   f"{sum(share) / len(share):.0%})", flush=True)
-    tail = min(5, args.steps)
-    final = {m: sum(sum(c[-tail:]) / tail for c in cs.values()) / len(cs)
-             for m, cs in curves.items()}
-    start = sum(c[0] for cs in curves.values() for c in cs.values()) / sum(
-        len(cs) for cs in curves.values())
-    threshold = args.threshold if args.threshold is not None else (
-        start + (max(final.values()) - start) / 2)
-    print(f"\nfirst-step return {start:.3f}; threshold {threshold:.3f}; "
-          f"total {time.perf_counter() - t0:.0f} s")
-    base = final.get("outcome")
-    for m, cs in curves.items():
-        reached = [steps_to(c, threshold) for c in cs.values()]
-        ratio = f", x{final[m] / base:.2f} of outcome's" if base else ""
-        known = [r for r in reached if r is not None]
-        mean_steps = f"{sum(known) / len(known):.2f}" if known else "-"
-        share = sum(anchored[m]) / len(anchored[m])
-        print(f"{m:9s} last-{tail} mean return {final[m]:.3f}{ratio}; steps to threshold "
-              f"per seed {reached} (mean of those reached {mean_steps}); anchored steps "
-              f"{share:.0%}")
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    summarise(curves, args.threshold, {m: sum(a) / len(a) for m, a in anchored.items()})
 
+
+def summarise(curves: dict[str, dict[int, list[float]]], threshold: float | None,
+              anchored: dict[str, float] | None = None) -> None:
+    """Per method: the mean return of the last 5 steps, the steps to `threshold` (default:
+    halfway from the first steps' mean to the best final mean), and against outcome, paired by
+    seed, the difference of the mean return over all steps (the area under the learning curve:
+    a method that learns sooner earns more of it) with its 95% interval (t at n - 1)."""
+    tail = min(5, min(len(c) for cs in curves.values() for c in cs.values()))
+    final = {m: statistics.mean(statistics.mean(c[-tail:]) for c in cs.values())
+             for m, cs in curves.items()}
+    start = statistics.mean(c[0] for cs in curves.values() for c in cs.values())
+    if threshold is None:
+        threshold = start + (max(final.values()) - start) / 2
+    print(f"\nseeds {sorted(next(iter(curves.values())))}; first-step return {start:.3f}; "
+          f"threshold {threshold:.3f}")
+    base = curves.get("outcome")
+    for m, cs in curves.items():
+        reached = [steps_to(cs[s], threshold) for s in sorted(cs)]
+        known = [r for r in reached if r is not None]
+        mean_steps = f"{statistics.mean(known):.2f}" if known else "-"
+        line = (f"{m:9s} last-{tail} mean return {final[m]:.3f}; steps to threshold per seed "
+                f"{reached} (mean of those reached {mean_steps})")
+        if anchored:
+            line += f"; anchored steps {anchored[m]:.0%}"
+        if base is not None and m != "outcome" and len(cs) > 1:
+            diff = [statistics.mean(cs[s]) - statistics.mean(base[s]) for s in sorted(cs)]
+            half = t_975(len(diff) - 1) * statistics.stdev(diff) / len(diff) ** 0.5
+            line += (f"\n{'':9s} mean return over all steps vs outcome {statistics.mean(diff):+.4f}"
+                     f" +- {half:.4f} (95%), higher on {sum(d > 0 for d in diff)} of "
+                     f"{len(diff)} seeds")
+        print(line)
+
+
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+"""Student's t, two-sided 95%, at 1-30 degrees of freedom (1.96 beyond)."""
+
+
+def t_975(df: int) -> float:
+    return T_975[df - 1] if df <= len(T_975) else 1.96
+
+
+def read_curves(paths: list[str]) -> dict[str, dict[int, list[float]]]:
+    """The per-seed curves printed by earlier runs of this script (their logs)."""
+    curves: dict[str, dict[int, list[float]]] = {}
+    line_re = re.compile(r"^(\w+)\s+seed (\d+): ([-\d. ]+?)\s+\(")
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                m = line_re.match(line)
+                if m and m[1] in METHODS:
+                    curves.setdefault(m[1], {})[int(m[2])] = [float(x) for x in m[3].split()]
+    if not curves:
+        raise SystemExit(f"no curves in {paths}: pass the logs this script printed")
+    return curves
 
 if __name__ == "__main__":
     main()
