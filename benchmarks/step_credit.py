@@ -4,7 +4,8 @@ seeds and model trained with three advantages, measured in one run.
 - outcome: GRPO's outcome advantage on every turn (`group_norm`, agentrl's default since the
   turn-level outcome advantage replaced reward-to-go);
 - rtg_turn: reward-to-go with a per-turn baseline, A_t = (G_t - mean_g G_t) / (std_g G_t + 1e-9)
-  over the group's turns with the same index t (G_t = sum_k r_{t+k}, undiscounted);
+  over the group's turns with the same index t (G_t = sum_k r_{t+k}, undiscounted; the
+  `rtg_turn` estimator, `agentrl.algorithms.gigpo.turn_advantages`);
 - gigpo: GRPO's episode advantage plus GiGPO's step advantage among the group's steps taken
   from the same anchor state (`agentrl.algorithms.gigpo`, step_gamma 0.95, weight 1; states
   named by the env, `agentrl.anchors`).
@@ -48,7 +49,6 @@ from torch import Tensor
 
 import agentrl  # noqa: F401 - registers the env ids
 from agentrl import algorithms as A
-from agentrl.algorithms import gigpo as G
 from agentrl.anchors import state_ids, state_visits
 from agentrl.completion import SamplingParams
 from agentrl.engine import create_engine
@@ -63,53 +63,30 @@ METHODS = ("outcome", "rtg_turn", "gigpo")
 
 
 def tensors(trajs: list[Trajectory], pad_id: int) -> dict[str, Tensor]:
-    """ids/attention [B, T]; mask, rewards, state ids and turn index (1-based) on each turn's
-    last target [B, T-1]."""
+    """ids/attention [B, T]; mask, and the rewards and state ids on each turn's last target
+    [B, T-1]."""
     B, T = len(trajs), max(len(t.token_ids) for t in trajs)
     out = {"ids": torch.full((B, T), pad_id, dtype=torch.long),
            "attention": torch.zeros(B, T, dtype=torch.long), "mask": torch.zeros(B, T - 1),
-           "rewards": torch.zeros(B, T - 1), "states": torch.zeros(B, T - 1, dtype=torch.long),
-           "turns": torch.zeros(B, T - 1, dtype=torch.long)}
+           "rewards": torch.zeros(B, T - 1), "states": torch.zeros(B, T - 1, dtype=torch.long)}
     for b, traj in enumerate(trajs):
         n = len(traj.token_ids)
         out["ids"][b, :n], out["attention"][b, :n] = torch.tensor(traj.token_ids), 1
         out["mask"][b, : n - 1] = torch.tensor(traj.loss_mask[1:], dtype=torch.float32)
-        for k, (turn, state) in enumerate(zip(traj.turns, state_ids(traj), strict=True)):
+        for turn, state in zip(traj.turns, state_ids(traj), strict=True):
             if turn.end > turn.start:
                 out["rewards"][b, turn.end - 2] += turn.reward
                 out["states"][b, turn.end - 2] = state
-                out["turns"][b, turn.end - 2] = k + 1
     return out
-
-
-def rtg_turn_advantages(rewards_BT: Tensor, mask_BT: Tensor, turns_BT: Tensor,
-                        group_ids_B: Tensor) -> Tensor:
-    """Reward-to-go with a per-turn baseline (module docstring): GiGPO's step machinery with
-    undiscounted returns and the turn index for the state, every turn (the first too) compared
-    with the same turn of the group's other episodes."""
-    step_BT, num_steps_B = G.token_steps(turns_BT.long(), mask_BT)
-    K = int(num_steps_B.max()) if num_steps_B.numel() else 0
-    if K == 0:
-        return torch.zeros_like(rewards_BT)
-    rewards_BK = G.per_step(torch.where(mask_BT != 0, rewards_BT.double(), 0.0), step_BT, K)
-    returns_BK = G.step_returns(rewards_BK, num_steps_B, 1.0)
-    k_BK = torch.arange(K)[None, :].expand(len(num_steps_B), K)
-    keys_BK = torch.where(k_BK < num_steps_B[:, None], group_ids_B.long()[:, None] * K + k_BK, -1)
-    pools, anchor_flat = torch.unique(keys_BK, return_inverse=True)  # -1 (no turn) sorts first
-    anchor_BK = anchor_flat.reshape(keys_BK.shape) - int(bool((pools < 0).any()))
-    adv_BK = G.anchor_advantages(returns_BK, anchor_BK, int((pools >= 0).sum()))
-    adv_BK = torch.cat([adv_BK, adv_BK.new_zeros(adv_BK.shape[0], 1)], dim=1)  # "no step"
-    return adv_BK.gather(1, step_BT).to(rewards_BT.dtype)
 
 
 def advantages(method: str, x: dict[str, Tensor], group_ids_B: Tensor) -> Tensor:
     if method == "outcome":
         return A.compute_advantages("group_norm", rewards_BT=x["rewards"], mask_BT=x["mask"],
                                     group_ids_B=group_ids_B)[0]
-    if method == "gigpo":
-        return A.compute_advantages("gigpo", rewards_BT=x["rewards"], mask_BT=x["mask"],
-                                    group_ids_B=group_ids_B, state_ids_BT=x["states"])[0]
-    return rtg_turn_advantages(x["rewards"], x["mask"], x["turns"], group_ids_B)
+    # gigpo and rtg_turn: each step's end (and state) marked on its last action token.
+    return A.compute_advantages(method, rewards_BT=x["rewards"], mask_BT=x["mask"],
+                                group_ids_B=group_ids_B, state_ids_BT=x["states"])[0]
 
 
 def make_env(args: argparse.Namespace, tok: Any) -> gym.Env:

@@ -21,7 +21,9 @@ if TYPE_CHECKING:
 _D = TypeVar("_D", bound="DataclassInstance")
 logger = logging.getLogger(__name__)
 
-GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline", "gigpo")
+GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline", "gigpo", "rtg_turn")
+STEP_ESTIMATORS = ("gigpo", "rtg_turn")
+"""Estimators that need each turn's end (the batch's state ids, on each turn's last token)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,7 +113,9 @@ class AlgoConfig:
     estimator: str = "group_norm"
     """Advantage estimator: gae (PPO), reinforce (REINFORCE++), reinforce_baseline, group_norm
     (GRPO), dr_grpo, rloo, gigpo (GRPO plus step-level credit among the steps a group took from
-    the same state: agentrl.algorithms.gigpo, agentrl.anchors)."""
+    the same state: agentrl.algorithms.gigpo, agentrl.anchors), rtg_turn (each turn's
+    reward-to-go against the same turn of the group's other episodes: for multi-turn envs with
+    per-step rewards)."""
     policy_loss: str = "ppo"
     """Policy loss: ppo (clip, clip-higher, dual clip), gspo (sequence ratio) or cispo (the
     clipped ratio as a stop-gradient weight on REINFORCE, MiniMax-M1)."""
@@ -128,7 +132,7 @@ class AlgoConfig:
     ] = "token-mean"
     """Loss aggregation; `constant` divides by max new tokens (the real Dr. GRPO)."""
     gamma: float = 1.0
-    """Discount (group estimators force 1)."""
+    """Discount (group estimators force 1; rtg_turn discounts per turn)."""
     lam: float = 0.95
     """GAE lambda."""
     step_weight: float = 1.0

@@ -33,7 +33,7 @@ from agentrl.backends.distributed import gather_objects, pad_cat
 from agentrl.segments import by_episode, episode_reward, flatten, template_segments
 from agentrl.types import Trajectory, dense_group_ids
 from trainers.batch import RolloutBatch
-from trainers.config import AlgoConfig, TrainConfig
+from trainers.config import STEP_ESTIMATORS, AlgoConfig, TrainConfig
 from trainers.logprobs import Rows
 
 logger = logging.getLogger(__name__)
@@ -291,7 +291,7 @@ def _estimated(
     """The estimator's (advantages, returns) of this rank's rows, over every rank's."""
     fields = {"rewards": batch.rewards, "mask": batch.mask, "kl": kl,
               "values": batch.extras.get("values"),
-              "state_ids": batch.state_ids if algo.estimator == "gigpo" else None}
+              "state_ids": batch.state_ids if algo.estimator in STEP_ESTIMATORS else None}
     parts = gather_objects(({k: v for k, v in fields.items() if v is not None},
                             batch.group_ids.tolist(), batch.episodes))
     width = max(p[0]["mask"].shape[1] for p in parts)

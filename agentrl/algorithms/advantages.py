@@ -48,7 +48,7 @@ from agentrl.algorithms.episode_layout import (
     from_episodes,
     to_episodes,
 )
-from agentrl.algorithms.gigpo import step_advantages
+from agentrl.algorithms.gigpo import step_advantages, turn_advantages
 
 AdvantageEstimator = Callable[..., tuple[Tensor, Tensor]]
 """Called with keywords ``rewards_BT, mask_BT, group_ids_B, values_BT, gamma, lam,
@@ -249,6 +249,26 @@ def _gigpo(*, rewards_BT: Tensor, mask_BT: Tensor, group_ids_B: Tensor | None,
     return episode_BT + step_weight * step_BT, returns_BT
 
 
+def _rtg_turn(*, rewards_BT: Tensor, mask_BT: Tensor, group_ids_B: Tensor | None,
+              values_BT: Tensor | None, gamma: float, lam: float, penalty_BT: Tensor,
+              state_ids_BT: Tensor | None = None, **_: object) -> tuple[Tensor, Tensor]:
+    """Reward-to-go with a per-turn baseline: turn t's return from t on (``gamma``-discounted
+    per turn) against the same turn of the group's other episodes, normalised by their std
+    (:func:`agentrl.algorithms.gigpo.turn_advantages`); the KL penalty's reward-to-go is
+    subtracted after the baseline. The returns are the advantages."""
+    if state_ids_BT is None:
+        raise ValueError(
+            "The 'rtg_turn' estimator compares each turn with the same turn of the group's "
+            "other episodes: pass state_ids_BT=[B, T] (non-zero on the last action token of "
+            "each turn, 0 elsewhere), or use 'group_norm'.")
+    _warn_ignored("rtg_turn", lam=lam != 1.0, values_BT=values_BT is not None)
+    _group_scores("rtg_turn", rewards_BT, group_ids_B)  # validates the groups
+    assert group_ids_B is not None
+    adv_BT = turn_advantages(rewards_BT, mask_BT, state_ids_BT, group_ids_B, gamma=gamma)
+    adv_BT = adv_BT.float() - discounted_returns(penalty_BT, mask_BT, 1.0)
+    return adv_BT, adv_BT
+
+
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "gae": _gae,
     "reinforce": _reinforce,
@@ -257,13 +277,16 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "dr_grpo": _group_estimator("dr_grpo", False, False),
     "rloo": _group_estimator("rloo", True, False),
     "gigpo": _gigpo,
+    "rtg_turn": _rtg_turn,
 }
 """Estimators by user-facing name. Baselines (algorithms.md): ``rloo`` r_i - mean_{j!=i} r_j;
 ``reinforce_baseline`` r_i - mean(r); ``dr_grpo`` r_i - mean(r) (Liu et al. 2025,
 arXiv:2503.20783); ``group_norm`` (r_i - mean(r)) / (std_unbiased(r) + 1e-9) (GRPO, Shao et al.
 2024, arXiv:2402.03300); ``gigpo`` group_norm's plus step_weight * (G_t - mean_{s~}(G)) /
 (std_{s~}(G) + 1e-9) over the steps of the group taken from the same anchor state s~, G_t the
-step_gamma-discounted return from step t (Feng et al. 2025, arXiv:2505.10978); ``reinforce``
+step_gamma-discounted return from step t (Feng et al. 2025, arXiv:2505.10978); ``rtg_turn``
+(G_t - mean_g(G_t)) / (std_g(G_t) + 1e-9) on each turn t, G_t its reward-to-go, over the
+group's episodes' turn t; ``reinforce``
 none (REINFORCE++, Hu 2025, arXiv:2501.03262); ``gae`` a critic."""
 
 _WHITEN_BY_DEFAULT: dict[str, bool] = {"gae": True, "reinforce": True, "reinforce_baseline": True}

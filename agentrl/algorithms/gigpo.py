@@ -144,6 +144,38 @@ def step_advantages(
     return adv_BK.gather(1, step_BT).to(rewards_BT.dtype)
 
 
+def turn_advantages(
+    rewards_BT: Tensor, mask_BT: Tensor, step_ends_BT: Tensor, group_ids_B: Tensor, *,
+    gamma: float = 1.0,
+) -> Tensor:
+    """Reward-to-go with a per-turn baseline (the ``rtg_turn`` estimator) on every action
+    token ``[B, T]``: the steps of a group are compared by their turn index instead of their
+    state, every turn included (the first too),
+
+        A_t = (G_t - mean_g(G_t)) / (std_g(G_t) + 1e-9),   G_t = sum_{k >= 0} gamma^k r_{t+k}
+
+    the mean and unbiased std over the group's episodes' turn t (one episode, or all equal:
+    0). ``step_ends_BT``: non-zero on the last action token of each step, 0 elsewhere (the
+    trainer passes its state ids, which are never 0)."""
+    ends_BT = torch.where(mask_BT != 0, step_ends_BT.long(), 0)
+    step_BT, num_steps_B = token_steps(ends_BT, mask_BT)
+    K = int(num_steps_B.max()) if num_steps_B.numel() else 0
+    if K == 0:
+        return torch.zeros_like(rewards_BT)
+    rewards_BK = per_step(torch.where(mask_BT != 0, rewards_BT.double(), 0.0), step_BT, K)
+    B = rewards_BK.shape[0]
+    k_BK = torch.arange(K, device=rewards_BK.device)[None, :].expand(B, K)
+    valid_BK = k_BK < num_steps_B[:, None]
+    keys_BK = torch.where(valid_BK, group_ids_B.long()[:, None] * K + k_BK, -1)
+    _, index = torch.unique(keys_BK[valid_BK], return_inverse=True)
+    turn_BK = torch.full_like(keys_BK, -1)
+    turn_BK[valid_BK] = index
+    adv_BK = anchor_advantages(step_returns(rewards_BK, num_steps_B, gamma), turn_BK,
+                               int(index.max()) + 1)
+    adv_BK = torch.cat([adv_BK, adv_BK.new_zeros(B, 1)], dim=1)  # "no step"
+    return adv_BK.gather(1, step_BT).to(rewards_BT.dtype)
+
+
 def step_advantages_reference(
     rewards_BT: Tensor, mask_BT: Tensor, state_ids_BT: Tensor, group_ids_B: Tensor, *,
     gamma: float = 0.95, divide_std: bool = True,

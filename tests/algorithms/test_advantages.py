@@ -21,8 +21,8 @@ from agentrl.algorithms import advantages as adv_module
 
 from ._batches import make_batch
 
-# gigpo needs state ids as well: tests/algorithms/test_gigpo.py holds it to the same properties.
-ESTIMATORS = sorted(set(ADVANTAGE_ESTIMATORS) - {"gigpo"})
+# gigpo and rtg_turn need state ids as well: tests/algorithms/test_gigpo.py holds them.
+ESTIMATORS = sorted(set(ADVANTAGE_ESTIMATORS) - {"gigpo", "rtg_turn"})
 
 GROUP_ESTIMATORS = ["rloo", "reinforce_baseline", "dr_grpo", "group_norm"]
 WHITEN_DEFAULT = {"gae": True, "reinforce": True, "reinforce_baseline": True}

@@ -17,8 +17,8 @@ from agentrl.algorithms.episode_layout import (
 
 from ._batches import make_batch
 
-# gigpo needs state ids as well: tests/algorithms/test_gigpo.py holds it to the same properties.
-ESTIMATORS = sorted(set(ADVANTAGE_ESTIMATORS) - {"gigpo"})
+# gigpo and rtg_turn need state ids as well: tests/algorithms/test_gigpo.py holds them.
+ESTIMATORS = sorted(set(ADVANTAGE_ESTIMATORS) - {"gigpo", "rtg_turn"})
 
 
 def _segmented(seed: int):

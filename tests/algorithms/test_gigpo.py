@@ -1,5 +1,6 @@
 """GiGPO: the anchor grouping and the advantages against a hand-computed example, the
-vectorised step level against its loop reference, its reduction to GRPO, and segments."""
+vectorised step level against its loop reference, its reduction to GRPO, and segments; and
+rtg_turn, which groups the same steps by turn index instead of state, by hand."""
 
 from __future__ import annotations
 
@@ -165,8 +166,37 @@ def test_a_state_revisited_in_one_episode_counts_each_visit() -> None:
     assert step[1, 3].item() == 0.0
 
 
+# rtg_turn on the same episodes: each turn against the same turn of its group's episodes.
+# gamma 1: group 0's returns by turn a 1 1 1, b 1 1, c 0 0 0: turns 1 and 2 as the episodes
+# (1, 1, 0 -> R3, R3, -2 R3), turn 3 a 1 and c 0 (+-R2); group 1: d 0 0, e 1 1 1 -> -+R2 on
+# turns 1 and 2, e alone on turn 3 -> 0.
+RTG_ADV = [[R3, R3, R2], [R3, R3], [-2 * R3, -2 * R3, -R2], [-R2, -R2], [R2, R2, 0.0]]
+# gamma 0.5: a .25 .5 1, b .5 1, c 0 0 0: turn 1 (.25, .5, 0) -> 0, 1, -1; turn 2 (.5, 1, 0)
+# -> 0, 1, -1; turn 3 +-R2; group 1: d 0 0, e .25 .5 1 -> -+R2, -+R2, 0.
+RTG_ADV_HALF = [[0.0, 0.0, R2], [1.0, 1.0], [-1.0, -1.0, -R2], [-R2, -R2], [R2, R2, 0.0]]
+
+
+def test_rtg_turn_by_hand() -> None:
+    rewards, mask, states = _rows(EPISODES)
+    for gamma, expect in ((1.0, RTG_ADV), (0.5, RTG_ADV_HALF)):
+        adv, ret = compute_advantages("rtg_turn", rewards_BT=rewards, mask_BT=mask,
+                                      group_ids_B=GROUPS, state_ids_BT=states, gamma=gamma)
+        torch.testing.assert_close(adv, _on_tokens(expect))
+        torch.testing.assert_close(ret, adv)
+    # Only where each turn ends matters, not which state it names.
+    adv, _ = compute_advantages("rtg_turn", rewards_BT=rewards, mask_BT=mask, group_ids_B=GROUPS,
+                                state_ids_BT=(states != 0).long() * 7)
+    torch.testing.assert_close(adv, _on_tokens(RTG_ADV))
+    with pytest.raises(ValueError, match="'rtg_turn'.*state_ids_BT=\\[B, T\\].*'group_norm'"):
+        compute_advantages("rtg_turn", rewards_BT=rewards, mask_BT=mask, group_ids_B=GROUPS)
+    with pytest.raises(ValueError, match="at least 2 samples per group"):
+        compute_advantages("rtg_turn", rewards_BT=rewards, mask_BT=mask, state_ids_BT=states,
+                           group_ids_B=torch.tensor([0, 0, 0, 1, 2]))
+
+
+@pytest.mark.parametrize("estimator", ["gigpo", "rtg_turn"])
 @pytest.mark.parametrize("seed", range(3))
-def test_segments_are_estimated_as_their_episode(seed: int) -> None:
+def test_segments_are_estimated_as_their_episode(seed: int, estimator: str) -> None:
     """An episode in several rows (a template that rewrote history) is one sequence: its
     steps in every segment are grouped and returned as if the rows were concatenated."""
     b, episode_ids = _segmented(seed)
@@ -175,7 +205,7 @@ def test_segments_are_estimated_as_their_episode(seed: int) -> None:
     states = torch.randint(1, 3, mask.shape, generator=torch.Generator().manual_seed(seed))
     states = states * ((mask != 0) & (nxt == 0))
     kw = {"group_ids_B": b.group_ids_B, "step_gamma": 0.9}
-    adv, _ = compute_advantages("gigpo", rewards_BT=b.rewards_BT, mask_BT=mask,
+    adv, _ = compute_advantages(estimator, rewards_BT=b.rewards_BT, mask_BT=mask,
                                 state_ids_BT=states, episode_ids_B=episode_ids, **kw)
     order = sorted(set(episode_ids.tolist()))
     rows = {e: [r for r in range(len(episode_ids)) if int(episode_ids[r]) == e] for e in order}
@@ -184,7 +214,7 @@ def test_segments_are_estimated_as_their_episode(seed: int) -> None:
                     dtype=x.dtype)]) for e in order])
         for name, x in (("rewards_BT", b.rewards_BT), ("mask_BT", mask), ("state_ids_BT", states))}
     groups = torch.tensor([int(b.group_ids_B[rows[e][0]]) for e in order])
-    whole, _ = compute_advantages("gigpo", **cat, group_ids_B=groups, step_gamma=0.9)
+    whole, _ = compute_advantages(estimator, **cat, group_ids_B=groups, step_gamma=0.9)
     T = mask.shape[1]
     for i, e in enumerate(order):
         for k, r in enumerate(rows[e]):

@@ -1,6 +1,6 @@
 """--algo.estimator gigpo in the trainer: state ids in the batch, the step's advantages, the
 warning when nothing recurs, the flags, and math-tir (final reward only, tool outputs that
-differ) where GiGPO is GRPO exactly."""
+differ) where GiGPO is GRPO exactly; rtg_turn's turn ends from the same batch."""
 
 from __future__ import annotations
 
@@ -74,6 +74,23 @@ def test_the_step_adds_the_step_level_where_states_recur(tiny_tokenizer):
     flat, _ = rl_step.batch_advantages(AlgoConfig(estimator="gigpo", step_weight=0.0), batch,
                                        None, 0.0)
     assert torch.equal(flat, grpo)
+
+
+def test_rtg_turn_gets_each_turns_end_from_the_batch(tiny_tokenizer):
+    """--algo.estimator rtg_turn: the trainer hands it the batch's turn ends (its state ids);
+    each turn is compared with the same turn of the group, so it differs from the outcome
+    advantage (GuessNumber's per-guess rewards differ between turns)."""
+    trajs = _guesses(tiny_tokenizer, PLANS)
+    batch = collate(trajs, pad_id=0, group_ids=dense_group_ids(trajs))
+    rtg, ret = rl_step.batch_advantages(AlgoConfig(estimator="rtg_turn"), batch, None, 0.0)
+    direct, _ = A.compute_advantages(
+        "rtg_turn", rewards_BT=batch.rewards, mask_BT=batch.mask, group_ids_B=batch.group_ids,
+        state_ids_BT=batch.state_ids)
+    torch.testing.assert_close(rtg, direct)
+    torch.testing.assert_close(ret, rtg)
+    grpo, _ = rl_step.batch_advantages(AlgoConfig(estimator="group_norm"), batch, None, 0.0)
+    assert not torch.allclose(rtg, grpo)
+    assert bool((rtg[batch.mask == 0] == 0).all())
 
 
 def test_no_state_key_and_nothing_recurring_warns_once(monkeypatch, caplog):
