@@ -12,8 +12,9 @@ computed fall from L^2 to the sum of p^2/2 + r * (p + r) over the pieces; each p
 softmax over the same keys as before, so only round-off differs.
 
 `register()` installs `segment_attention` as transformers' "sdpa" attention. Every call without
-a layout, or with one that does not fit (another sequence length: a vision tower; a sliding
-window; soft-capping), goes to transformers' own SDPA function with the mask it was given, so
+a layout, or with one that does not fit (another sequence length, or attention that is not
+causal: a vision tower; a sliding window; soft-capping), goes to transformers' own SDPA
+function with the mask it was given, so
 nothing else changes; the trainer passes the layout as the `packed_layout` keyword of the
 model's forward, which transformers hands to every attention call.
 """
@@ -68,6 +69,7 @@ def segment_attention(
     layout: PackedLayout | None = kwargs.pop("packed_layout", None)
     L = query.shape[2]
     if (layout is None or query.shape[0] != 1 or key.shape[2] != L or layout.length != L
+            or not getattr(module, "is_causal", False) or kwargs.get("is_causal") is False
             or kwargs.get("sliding_window") or kwargs.get("softcap")
             or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None):
         return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

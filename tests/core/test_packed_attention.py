@@ -67,8 +67,8 @@ def test_each_piece_attends_to_what_the_mask_allows(kv_heads):
 
 
 def test_calls_without_a_fitting_layout_take_sdpa_with_their_mask(monkeypatch):
-    """No layout, another length (a vision tower's call), a sliding window: transformers' SDPA
-    function with the mask given, whatever the layout says."""
+    """No layout, another length, a sliding window, attention that is not causal (a vision
+    tower's): transformers' SDPA function with the mask given, whatever the layout says."""
     layout = PackedLayout(GROUPS)
     L = layout.length
     q, k, v = (torch.randn(1, 2, L, 4) for _ in range(3))
@@ -78,6 +78,11 @@ def test_calls_without_a_fitting_layout_take_sdpa_with_their_mask(monkeypatch):
                {"packed_layout": layout, "sliding_window": 4}):
         got, _ = segment_attention(Heads(1), q, k, v, mask, **kw)
         torch.testing.assert_close(got, ref)
+    # A vision tower's attention (not causal), whatever its length.
+    tower = Heads(1)
+    tower.is_causal = False
+    got, _ = segment_attention(tower, q, k, v, mask, packed_layout=layout)
+    torch.testing.assert_close(got, sdpa(tower, q, k, v, mask)[0])
     got, _ = segment_attention(Heads(1), q, k, v, mask, packed_layout=layout)
     assert not torch.allclose(got, ref)  # the layout's pieces do differ from a causal row
 
