@@ -131,17 +131,15 @@ def step_advantages(
         raise ValueError(f"state_ids_BT must have the shape of mask_BT {tuple(mask_BT.shape)}; "
                          f"got {tuple(state_ids_BT.shape)}.")
     state_ids_BT = torch.where(mask_BT != 0, state_ids_BT.long(), 0)
-    step_BT, num_steps_B = token_steps(state_ids_BT, mask_BT)
-    K = int(num_steps_B.max()) if num_steps_B.numel() else 0
+    step_BT, num_steps_B, rewards_BK = _steps(rewards_BT, mask_BT, state_ids_BT)
+    K = rewards_BK.shape[1]
     if K == 0:
         return torch.zeros_like(rewards_BT)
-    rewards_BK = per_step(torch.where(mask_BT != 0, rewards_BT.double(), 0.0), step_BT, K)
     state_ids_BK = per_step(state_ids_BT, step_BT, K)  # one marked token per step
     anchor_BK, num_anchors = anchor_groups(state_ids_BK, group_ids_B.long(), num_steps_B)
     adv_BK = anchor_advantages(step_returns(rewards_BK, num_steps_B, gamma), anchor_BK,
                                num_anchors, divide_std)
-    adv_BK = torch.cat([adv_BK, adv_BK.new_zeros(adv_BK.shape[0], 1)], dim=1)  # "no step"
-    return adv_BK.gather(1, step_BT).to(rewards_BT.dtype)
+    return _on_tokens(adv_BK, step_BT, rewards_BT.dtype)
 
 
 def turn_advantages(
@@ -158,12 +156,10 @@ def turn_advantages(
     0). ``step_ends_BT``: non-zero on the last action token of each step, 0 elsewhere (the
     trainer passes its state ids, which are never 0)."""
     ends_BT = torch.where(mask_BT != 0, step_ends_BT.long(), 0)
-    step_BT, num_steps_B = token_steps(ends_BT, mask_BT)
-    K = int(num_steps_B.max()) if num_steps_B.numel() else 0
+    step_BT, num_steps_B, rewards_BK = _steps(rewards_BT, mask_BT, ends_BT)
+    B, K = rewards_BK.shape
     if K == 0:
         return torch.zeros_like(rewards_BT)
-    rewards_BK = per_step(torch.where(mask_BT != 0, rewards_BT.double(), 0.0), step_BT, K)
-    B = rewards_BK.shape[0]
     k_BK = torch.arange(K, device=rewards_BK.device)[None, :].expand(B, K)
     valid_BK = k_BK < num_steps_B[:, None]
     keys_BK = torch.where(valid_BK, group_ids_B.long()[:, None] * K + k_BK, -1)
@@ -172,8 +168,23 @@ def turn_advantages(
     turn_BK[valid_BK] = index
     adv_BK = anchor_advantages(step_returns(rewards_BK, num_steps_B, gamma), turn_BK,
                                int(index.max()) + 1)
-    adv_BK = torch.cat([adv_BK, adv_BK.new_zeros(B, 1)], dim=1)  # "no step"
-    return adv_BK.gather(1, step_BT).to(rewards_BT.dtype)
+    return _on_tokens(adv_BK, step_BT, rewards_BT.dtype)
+
+
+def _steps(rewards_BT: Tensor, mask_BT: Tensor, ends_BT: Tensor
+           ) -> tuple[Tensor, Tensor, Tensor]:
+    """``(step_BT, num_steps_B, rewards_BK)`` of the steps that end at the non-zero entries of
+    ``ends_BT`` (on action tokens); ``rewards_BK`` in float64, ``K = 0`` without a step."""
+    step_BT, num_steps_B = token_steps(ends_BT, mask_BT)
+    K = int(num_steps_B.max()) if num_steps_B.numel() else 0
+    rewards_BK = per_step(torch.where(mask_BT != 0, rewards_BT.double(), 0.0), step_BT, K)
+    return step_BT, num_steps_B, rewards_BK
+
+
+def _on_tokens(adv_BK: Tensor, step_BT: Tensor, dtype: torch.dtype) -> Tensor:
+    """Each step's value on its tokens; 0 on tokens of no step (``step_BT == K``)."""
+    adv_BK = torch.cat([adv_BK, adv_BK.new_zeros(adv_BK.shape[0], 1)], dim=1)
+    return adv_BK.gather(1, step_BT).to(dtype)
 
 
 def step_advantages_reference(
