@@ -202,13 +202,13 @@ class Packed:
     transformers derives the block-diagonal causal mask from the restarting position ids."""
     index: Tensor
     """[rows, n] where token t of each row sits in the packed sequence."""
+    layout: PackedLayout
+    """Where each sequence lies in the row, for attention one sequence at a time
+    (`agentrl.models.packed_attention`)."""
     images: list[np.ndarray] = field(default_factory=list)
     """The images whose tokens the packed sequence holds, in order."""
     mrope: Tensor | None = None
     """[3, 1, L] mRoPE positions (models with 3-D positions)."""
-    layout: PackedLayout | None = None
-    """Where each sequence lies in the row, for attention one sequence at a time
-    (`agentrl.models.packed_attention`)."""
 
     @property
     def shared_tokens(self) -> int:
@@ -288,7 +288,7 @@ def pack(batch: RolloutBatch, idx: Tensor, n: int, *, share_prefixes: bool = Tru
             & ((owner[None, :] == -1) | (owner[None, :] == owner[:, None]))
         )[None, None]
     mrope = torch.cat(mrope_parts, dim=1)[:, None] if mrope_parts else None
-    return Packed(ids, pos, mask, index, images, mrope, PackedLayout(tuple(groups), dev))
+    return Packed(ids, pos, mask, index, PackedLayout(tuple(groups), dev), images, mrope)
 
 
 def _common_prefix(seqs: Sequence[Tensor]) -> int:

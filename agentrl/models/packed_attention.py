@@ -14,9 +14,9 @@ softmax over the same keys as before, so only round-off differs.
 `register()` installs `segment_attention` as transformers' "sdpa" attention. Every call without
 a layout, or with one that does not fit (another sequence length, or attention that is not
 causal: a vision tower; a sliding window; soft-capping), goes to transformers' own SDPA
-function with the mask it was given, so
-nothing else changes; the trainer passes the layout as the `packed_layout` keyword of the
-model's forward, which transformers hands to every attention call.
+function with the mask it was given, so nothing else changes; the trainer passes the layout as
+the `packed_layout` keyword of the model's forward, which transformers hands to every
+attention call.
 """
 
 from __future__ import annotations
